@@ -1,0 +1,114 @@
+"""Every typed error mithril_async raises.
+
+All errors derive from :class:`MithrilError` and also from the builtin a caller would
+naturally catch (``ValueError`` for bad data, ``FileNotFoundError`` for something missing,
+``FileExistsError`` for something that must not be overwritten, ``OSError`` for storage).
+Messages always name the file, key, tensor, block or rank involved.
+"""
+
+from __future__ import annotations
+
+
+class MithrilError(Exception):
+    """Base class of every error raised by mithril_async."""
+
+
+class InvalidFormat(MithrilError, ValueError):
+    """Bytes that are not a valid blob/manifest/config of a version we can read."""
+
+
+class UnknownFormatVersion(InvalidFormat):
+    """A versioned format whose version this reader does not know."""
+
+
+class ChecksumMismatch(InvalidFormat):
+    """Stored data whose checksum does not match; never returned to the caller."""
+
+    def __init__(self, where: str, expected: int | str, actual: int | str) -> None:
+        self.where = where
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"checksum mismatch in {where}: expected {expected}, got {actual}")
+
+
+class MissingPrevious(MithrilError, FileNotFoundError):
+    """A delta needs a base (previous checkpoint) that is absent or is not the right one."""
+
+
+class UnsupportedDtype(MithrilError, TypeError):
+    """A dtype without a fixed width (or otherwise unknown) was given to the codec."""
+
+
+class ShapeMismatch(MithrilError, ValueError):
+    """A tensor's shape differs from what a manifest, base or target says it must be."""
+
+
+class CompressionError(MithrilError):
+    """The entropy coder or a transform failed."""
+
+
+class ConfigError(MithrilError, ValueError):
+    """Invalid configuration; the message names the offending key."""
+
+
+class StorageError(MithrilError, OSError):
+    """A store operation failed (after retries where applicable)."""
+
+
+class KeyNotFound(StorageError, FileNotFoundError):
+    """A key that does not exist in a store."""
+
+
+class KeyExists(StorageError, FileExistsError):
+    """A conditional write found the key already present."""
+
+
+class PreconditionFailed(StorageError):
+    """A compare-and-swap write lost against another writer (ETag changed)."""
+
+
+class UnsafeKey(InvalidFormat):
+    """A key that is absolute, contains ``..`` or otherwise escapes the store root."""
+
+
+class StepAlreadyExists(MithrilError, FileExistsError):
+    """A save for a step (or version) that is already committed; nothing is overwritten."""
+
+
+class VersionNotFound(MithrilError, FileNotFoundError):
+    """A restore target (alias, version id, step, manifest key) that does not resolve."""
+
+
+class SaveInProgress(MithrilError, RuntimeError):
+    """A save was requested while another is in flight and the config says to refuse."""
+
+
+class SaveFailed(MithrilError, RuntimeError):
+    """A background save failed; ``__cause__`` carries the original error."""
+
+
+class DistributedError(MithrilError, RuntimeError):
+    """A multi-rank save or restore failed on some rank; the message names the rank."""
+
+
+__all__ = [
+    "ChecksumMismatch",
+    "CompressionError",
+    "ConfigError",
+    "DistributedError",
+    "InvalidFormat",
+    "KeyExists",
+    "KeyNotFound",
+    "MissingPrevious",
+    "MithrilError",
+    "PreconditionFailed",
+    "SaveFailed",
+    "SaveInProgress",
+    "ShapeMismatch",
+    "StepAlreadyExists",
+    "StorageError",
+    "UnknownFormatVersion",
+    "UnsafeKey",
+    "UnsupportedDtype",
+    "VersionNotFound",
+]

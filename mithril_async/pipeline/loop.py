@@ -1,0 +1,83 @@
+"""A private asyncio event loop on a daemon thread, so synchronous training loops get
+background checkpointing without running asyncio themselves.
+
+uvloop is used when it is installed. Coroutines are submitted with :meth:`BackgroundLoop.submit`
+(returns a ``concurrent.futures.Future``) or run to completion with :meth:`BackgroundLoop.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
+    """Create an event loop, preferring uvloop; return it with the name of its kind."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency on Linux
+        return asyncio.new_event_loop(), "asyncio"
+    return uvloop.new_event_loop(), "uvloop"
+
+
+class BackgroundLoop:
+    """An event loop running forever on its own daemon thread until :meth:`close`."""
+
+    def __init__(self, name: str = "mithril-loop") -> None:
+        self.loop, self.kind = new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the background loop; thread-safe."""
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("background loop is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the background loop and block until it finishes."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("BackgroundLoop.run called from its own thread would deadlock")
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        """Stop the loop and join the thread; pending tasks are cancelled first."""
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(_cancel_all()).result(10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    def __enter__(self) -> BackgroundLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""The Store protocol: a small async key/value interface every backend implements.
+
+Keys are repo-root relative POSIX paths (``runs/<run_id>/versions/v000001/model.mckp``).
+Every backend validates keys with :func:`check_key` so that nothing read from a manifest can
+escape the store root. Writes are atomic and durable when they return: readers see the old
+value or the new one, never a torn one. Large blobs stream through :class:`BlobWriter`
+(multipart on S3, temp file + fsync + rename on disk); an aborted writer leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from typing import Protocol, runtime_checkable
+
+from mithril_async.errors import UnsafeKey
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`UnsafeKey` naming it."""
+    if not isinstance(key, str) or not key:
+        raise UnsafeKey(f"store key must be a non-empty string, got {key!r}")
+    if len(key) > 1024:
+        raise UnsafeKey(f"store key longer than 1024 characters: {key[:64]!r}...")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise UnsafeKey(f"store key must be relative without backslashes or NUL: {key!r}")
+    parts = key.split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise UnsafeKey(f"store key has an empty, '.' or '..' component: {key!r}")
+        if not _KEY_PART.match(part):
+            raise UnsafeKey(f"store key has characters outside [A-Za-z0-9._=+@,-]: {key!r}")
+    if posixpath.normpath(key) != key:
+        raise UnsafeKey(f"store key is not normalised: {key!r}")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key components with '/', validating the result."""
+    return check_key("/".join(p.strip("/") for p in parts if p))
+
+
+@runtime_checkable
+class BlobWriter(Protocol):
+    """A streaming writer for one key. Nothing is visible until :meth:`commit` returns."""
+
+    key: str
+
+    async def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``; may upload a part in the background (bounded)."""
+
+    async def commit(self) -> int:
+        """Make the blob durable and visible under ``key``; return its size in bytes."""
+
+    async def abort(self) -> None:
+        """Discard everything written; idempotent, never raises for a missing upload."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Async storage backend. See the module docstring for the contract."""
+
+    #: a short human-readable description, e.g. ``file:///data`` or ``s3://bucket/prefix``
+    url: str
+    #: whether put_if_absent / put_if_match are atomic on this backend
+    atomic_conditional_writes: bool
+
+    async def get(self, key: str) -> bytes:
+        """Return the whole value; :class:`KeyNotFound` when absent."""
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Return ``length`` bytes from ``start`` (fewer only at the end of the value)."""
+
+    async def size(self, key: str) -> int:
+        """Size in bytes of the value; :class:`KeyNotFound` when absent."""
+
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` is present."""
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        """Atomically create or replace ``key``; durable on return."""
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        """Create ``key`` only if absent, else raise :class:`KeyExists`."""
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Return the value and an opaque version tag for :meth:`put_if_match`."""
+
+    async def put_if_match(self, key: str, data: bytes | memoryview, etag: str | None) -> str:
+        """Replace ``key`` only if its tag is still ``etag`` (``None``: only if absent).
+
+        Returns the new tag; raises :class:`PreconditionFailed` when another writer won.
+        """
+
+    async def list(self, prefix: str) -> list[str]:
+        """All keys under ``prefix`` (a key prefix ending in '/' or a full key), sorted."""
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    def open_writer(self, key: str) -> BlobWriter:
+        """Start a streaming write of ``key``."""
+
+    async def cleanup_incomplete(self, prefix: str) -> int:
+        """Remove leftovers of killed writers under ``prefix`` (temp files, multipart
+        uploads); return how many were removed."""
+
+    async def close(self) -> None:
+        """Release connections and file handles."""
