@@ -112,3 +112,18 @@ __all__ = [
     "UnsupportedDtype",
     "VersionNotFound",
 ]
+
+
+class UnsupportedStateType(MithrilError, TypeError):
+    """A value inside a state dict that cannot be stored without pickle (named by path)."""
+
+
+__all__ += ["UnsupportedStateType"]
+
+
+class ErrorBoundExceeded(MithrilError, ValueError):
+    """A lossy codec cannot keep a tensor within the user's error bound (non-finite values
+    included: no finite bound covers them); the message names the tensor/block and both errors."""
+
+
+__all__ += ["ErrorBoundExceeded"]

@@ -1,0 +1,69 @@
+"""mithril_async: fast, small and safe asynchronous checkpointing for PyTorch training.
+
+The public API, re-exported; see README.md for a tour.
+"""
+
+from mithril_async.codec import compress_state_dict, decompress_state_dict
+from mithril_async.config import Config, load_config, parse_config
+from mithril_async.errors import (
+    ChecksumMismatch,
+    CompressionError,
+    ConfigError,
+    DistributedError,
+    InvalidFormat,
+    KeyExists,
+    KeyNotFound,
+    MissingPrevious,
+    MithrilError,
+    PreconditionFailed,
+    SaveFailed,
+    SaveInProgress,
+    ShapeMismatch,
+    StepAlreadyExists,
+    StorageError,
+    UnknownFormatVersion,
+    UnsafeKey,
+    UnsupportedDtype,
+    UnsupportedStateType,
+    VersionNotFound,
+)
+from mithril_async.manager import CheckpointManager
+from mithril_async.pipeline.results import SaveHandle, SaveResult
+from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointManager",
+    "ChecksumMismatch",
+    "CompressionError",
+    "Config",
+    "ConfigError",
+    "DistributedError",
+    "InvalidFormat",
+    "KeepBestN",
+    "KeepEveryNSteps",
+    "KeepLastN",
+    "KeyExists",
+    "KeyNotFound",
+    "MissingPrevious",
+    "MithrilError",
+    "PreconditionFailed",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveInProgress",
+    "SaveResult",
+    "ShapeMismatch",
+    "StepAlreadyExists",
+    "StorageError",
+    "UnknownFormatVersion",
+    "UnsafeKey",
+    "UnsupportedDtype",
+    "UnsupportedStateType",
+    "VersionNotFound",
+    "__version__",
+    "compress_state_dict",
+    "decompress_state_dict",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,306 @@
+"""A run's committed state as seen through a Store: versions, aliases, run manifest.
+
+Readers trust only what is committed: a version exists iff its ``manifest.json`` exists (blobs
+are durable before the manifest is written). Aliases are moved with compare-and-swap writes, so
+two writers never lose an update: ``latest`` only ever moves to a higher step and ``best`` only
+to a better metric. Every manifest read is validated, and must name keys inside its own run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from mithril_async.errors import (
+    InvalidFormat,
+    KeyExists,
+    KeyNotFound,
+    PreconditionFailed,
+    VersionNotFound,
+)
+from mithril_async.layout import RunLayout
+from mithril_async.manifest import (
+    AliasFile,
+    RunManifest,
+    VersionManifest,
+    VersionSummary,
+    dump_model,
+    parse_model,
+    utcnow,
+    version_number,
+)
+from mithril_async.storage.base import Store, check_key
+
+log = logging.getLogger("mithril_async")
+
+#: an unfinished version whose claim is older than this is abandoned and may be cleaned
+STALE_CLAIM_S = 6 * 3600.0
+_CAS_ATTEMPTS = 32
+
+
+class RunCatalog:
+    """Read and commit the metadata of one run in one store."""
+
+    def __init__(self, store: Store, layout: RunLayout) -> None:
+        self.store = store
+        self.layout = layout
+        self._manifests: dict[str, VersionManifest] = {}
+
+    # ---------------------------------------------------------------- versions
+    async def version_numbers(self) -> dict[int, bool]:
+        """Every version number present, mapped to whether it is committed."""
+        out: dict[int, bool] = {}
+        prefix = self.layout.versions_prefix
+        for key in await self.store.list(prefix):
+            rest = key[len(prefix):].split("/")
+            if len(rest) != 2:
+                continue
+            try:
+                n = version_number(rest[0])
+            except InvalidFormat:
+                continue
+            out[n] = out.get(n, False) or rest[1] == "manifest.json"
+        return out
+
+    async def read_manifest(self, key: str) -> VersionManifest:
+        check_key(key)
+        if not self.layout.owns(key):
+            raise InvalidFormat(f"manifest key {key!r} is outside run {self.layout.root!r}")
+        cached = self._manifests.get(key)
+        if cached is not None:
+            return cached
+        data = await self.store.get(key)
+        m = parse_model(VersionManifest, data, key)
+        if m.run_id != self.layout.run_id:
+            raise InvalidFormat(f"{key}: names run {m.run_id!r}, expected {self.layout.run_id!r}")
+        expected = self.layout.manifest_key(version_number(m.version_id))
+        if expected != key:
+            raise InvalidFormat(f"{key}: claims version {m.version_id} (expected at {expected})")
+        for k in m.keys():  # blobs may be shared with earlier versions, never other runs
+            if not self.layout.owns(k):
+                raise InvalidFormat(f"{key}: names key {k!r} outside its run")
+        self._manifests[key] = m
+        return m
+
+    async def versions(self) -> list[VersionManifest]:
+        """All committed versions, oldest step first."""
+        nums = await self.version_numbers()
+        out = []
+        for n, committed in sorted(nums.items()):
+            if committed:
+                out.append(await self.read_manifest(self.layout.manifest_key(n)))
+        out.sort(key=lambda m: (m.step, m.version_id))
+        return out
+
+    async def claim_version(self) -> int:
+        """Reserve the next free version number (atomic put_if_absent of a claim file)."""
+        nums = await self.version_numbers()
+        n = max(nums, default=0) + 1
+        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                            "t": time.time()}).encode()
+        for _ in range(1000):
+            try:
+                await self.store.put_if_absent(self.layout.claim_key(n), claim)
+                return n
+            except KeyExists:
+                n += 1
+        raise RuntimeError("could not claim a version number after 1000 attempts")
+
+    async def clean_unfinished(self, *, stale_after_s: float = STALE_CLAIM_S) -> list[str]:
+        """Remove version folders without a manifest whose writer is gone; return them."""
+        removed = []
+        nums = await self.version_numbers()
+        for n, committed in nums.items():
+            if committed:
+                continue
+            if not await self._claim_is_stale(n, stale_after_s):
+                continue
+            for key in await self.store.list(self.layout.version_dir(n) + "/"):
+                await self.store.delete(key)
+            removed.append(self.layout.version_dir(n))
+        await self.store.cleanup_incomplete(self.layout.root + "/")
+        return removed
+
+    async def _claim_is_stale(self, n: int, stale_after_s: float) -> bool:
+        try:
+            info = json.loads(await self.store.get(self.layout.claim_key(n)))
+        except (KeyNotFound, ValueError):
+            return True  # no claim (retention killed half-way) or garbage: abandoned
+        if not isinstance(info, dict):
+            return True
+        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+            if info["pid"] == os.getpid():
+                return False
+            return not _pid_alive(info["pid"])
+        t = info.get("t")
+        return not isinstance(t, (int, float)) or time.time() - t > stale_after_s
+
+    async def delete_version(self, vid: str) -> None:
+        """Delete a version: manifest first (it disappears atomically), then its files."""
+        n = version_number(vid)
+        await self.store.delete(self.layout.manifest_key(n))
+        self._manifests.pop(self.layout.manifest_key(n), None)
+        for key in await self.store.list(self.layout.version_dir(n) + "/"):
+            if not key.endswith("_claim.json"):
+                await self.store.delete(key)
+        await self.store.delete(self.layout.claim_key(n))
+
+    # ---------------------------------------------------------------- aliases
+    async def read_alias(self, name: str) -> AliasFile | None:
+        key = self.layout.alias_key(name)
+        try:
+            data = await self.store.get(key)
+        except KeyNotFound:
+            return None
+        alias = parse_model(AliasFile, data, key)
+        if alias.manifest_key is not None and not self.layout.owns(alias.manifest_key):
+            raise InvalidFormat(f"{key}: points outside its run: {alias.manifest_key!r}")
+        return alias
+
+    async def _cas(self, name: str, decide: Callable[[AliasFile | None], AliasFile | None]
+                   ) -> AliasFile | None:
+        """Read-decide-write ``aliases/<name>.json`` until no other writer interferes."""
+        key = self.layout.alias_key(name)
+        for _ in range(_CAS_ATTEMPTS):
+            try:
+                data, etag = await self.store.get_with_etag(key)
+                current: AliasFile | None = parse_model(AliasFile, data, key)
+            except KeyNotFound:
+                current, etag = None, None
+            new = decide(current)
+            if new is None:
+                return current
+            try:
+                await self.store.put_if_match(key, dump_model(new), etag)
+                return new
+            except (PreconditionFailed, KeyExists):
+                continue
+        raise PreconditionFailed(f"alias {key}: too much contention ({_CAS_ATTEMPTS} attempts)")
+
+    async def ensure_best_pending(self, metric: str | None, mode: str) -> None:
+        """``best.json`` always exists; it is ``pending`` until a usable metric appears."""
+
+        def decide(cur: AliasFile | None) -> AliasFile | None:
+            if cur is not None:
+                return None
+            return AliasFile(name="best", status="pending", run_id=self.layout.run_id,
+                             metric_name=metric, mode=mode,  # type: ignore[arg-type]
+                             updated_at=utcnow())
+
+        await self._cas("best", decide)
+
+    async def move_latest(self, m: VersionManifest, key: str) -> bool:
+        """Point ``latest`` at ``m`` unless it already names a later step; return if moved."""
+        moved = False
+
+        def decide(cur: AliasFile | None) -> AliasFile | None:
+            nonlocal moved
+            moved = cur is None or cur.step is None or (cur.step, cur.version_id or "") < (
+                m.step, m.version_id)
+            if not moved:
+                return None
+            return AliasFile(name="latest", status="ok", run_id=m.run_id,
+                             version_id=m.version_id, step=m.step, manifest_key=key,
+                             updated_at=utcnow())
+
+        await self._cas("latest", decide)
+        return moved
+
+    async def move_best(self, m: VersionManifest, key: str, metric: str | None,
+                        mode: Literal["min", "max"]) -> bool:
+        """Point ``best`` at ``m`` if its metric is usable and better than the current one."""
+        value = m.metrics.get(metric) if metric else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            return False
+        moved = False
+
+        def decide(cur: AliasFile | None) -> AliasFile | None:
+            nonlocal moved
+            moved = True
+            if cur is not None and cur.status == "ok" and cur.metric_value is not None:
+                moved = value < cur.metric_value if mode == "min" else value > cur.metric_value
+            if not moved:
+                return None
+            return AliasFile(name="best", status="ok", run_id=m.run_id, version_id=m.version_id,
+                             step=m.step, manifest_key=key, metric_name=metric,
+                             metric_value=float(value), mode=mode, updated_at=utcnow())
+
+        await self._cas("best", decide)
+        return moved
+
+    # ---------------------------------------------------------------- run manifest
+    async def update_run_manifest(self, root_local: str | None, root_remote: str | None) -> None:
+        """Rewrite run.json from the committed versions and aliases (CAS, best effort)."""
+        versions = await self.versions()
+        latest = await self.read_alias("latest")
+        best = await self.read_alias("best")
+        key = self.layout.run_manifest_key
+        for _ in range(_CAS_ATTEMPTS):
+            try:
+                data, etag = await self.store.get_with_etag(key)
+                created = parse_model(RunManifest, data, key).created_at
+            except KeyNotFound:
+                etag, created = None, utcnow()
+            run = RunManifest(
+                run_id=self.layout.run_id, created_at=created,
+                paths={"root_local": root_local, "root_remote": root_remote},  # type: ignore[arg-type]
+                aliases={"latest": latest.version_id if latest else None,
+                         "best": best.version_id if best else None},
+                versions=[VersionSummary(version_id=v.version_id, step=v.step,
+                                         created_at=v.created_at, model_key=v.model.key,
+                                         metrics=v.metrics,
+                                         bytes=sum(b.bytes for b in v.blobs()))
+                          for v in versions],
+            )
+            try:
+                await self.store.put_if_match(key, dump_model(run), etag)
+                return
+            except (PreconditionFailed, KeyExists):
+                continue
+
+    # ---------------------------------------------------------------- resolution
+    async def resolve(self, target: str | int) -> str:
+        """Manifest key for "latest", "best", a version id, a step or a manifest key."""
+        if isinstance(target, bool):
+            raise VersionNotFound(f"not a restore target: {target!r}")
+        if isinstance(target, int):
+            for m in reversed(await self.versions()):
+                if m.step == target:
+                    return self.layout.manifest_key(version_number(m.version_id))
+            raise VersionNotFound(f"run {self.layout.run_id}: no committed version at step "
+                                  f"{target}")
+        if target in ("latest", "best"):
+            alias = await self.read_alias(target)
+            if alias is None or alias.manifest_key is None:
+                raise VersionNotFound(f"run {self.layout.run_id}: alias {target!r} points at "
+                                      "no version yet")
+            if not await self.store.exists(alias.manifest_key):
+                raise VersionNotFound(f"alias {target!r} points at missing manifest "
+                                      f"{alias.manifest_key}")
+            return alias.manifest_key
+        if target.startswith("v") and target[1:].isdigit():
+            key = self.layout.manifest_key(version_number(target))
+        elif target.endswith("manifest.json"):
+            key = check_key(target)
+        else:
+            raise VersionNotFound(f"not a restore target: {target!r} (use 'latest', 'best', a "
+                                  "version id like 'v000003', a step or a manifest key)")
+        if not self.layout.owns(key) or not await self.store.exists(key):
+            raise VersionNotFound(f"run {self.layout.run_id}: no committed version {target!r}")
+        return key
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

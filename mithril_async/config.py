@@ -1,0 +1,134 @@
+"""Pydantic models of the TOML configuration and :func:`load_config`.
+
+Only the ``[checkpointing]`` table belongs to us; other tables of a training TOML (model,
+data, ...) are kept untouched in ``Config.extra`` so one file can drive a whole run. Unknown
+keys inside ``[checkpointing]`` are errors, and every error names the dotted key at fault.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mithril_async.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CompressionConfig(_Strict):
+    """How blobs are encoded (``[checkpointing.compression]``)."""
+
+    enabled: bool = True
+    level: int = Field(3, ge=-7, le=22, description="zstd level")
+    byte_grouping: bool = True
+    chunk_mib: float = Field(4.0, gt=0, le=1024, description="chunk size compressed in parallel")
+    threads: int | None = Field(None, ge=1, le=256, description="codec threads; None = all cores")
+    delta: bool = False
+    keyframe_interval: int = Field(8, ge=1, le=10_000)
+
+
+class PipelineConfig(_Strict):
+    """Background pipeline bounds (``[checkpointing.pipeline]``)."""
+
+    max_inflight_mib: int = Field(256, ge=8, description="encoded bytes in flight per save")
+    on_busy: Literal["wait", "skip", "error"] = "wait"
+
+
+class RemoteConfig(_Strict):
+    """S3-compatible remote (``[checkpointing.remote]``)."""
+
+    bucket: str = Field(min_length=3, max_length=63)
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region_name: str | None = None
+    part_mib: int = Field(8, ge=5, le=5 * 1024)
+    max_concurrency: int = Field(8, ge=1, le=64)
+    max_attempts: int = Field(5, ge=1, le=20)
+    mode: Literal["mirror", "remote_only"] = "mirror"
+
+
+class CheckpointingConfig(_Strict):
+    """The ``[checkpointing]`` table (seed 002 plus compression, pipeline and remote)."""
+
+    runs_path: str = "runs"
+    run_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="None = fresh run id"
+    )
+    ckpting_save_iter: int = Field(1000, ge=1)
+    resume_optimizer: bool = True
+    best_metric_name: str | None = None
+    best_mode: Literal["min", "max"] = "min"
+    keep_last: int | None = Field(None, ge=1)
+    keep_best: int | None = Field(None, ge=1)
+    keep_every_n_steps: int | None = Field(None, ge=1)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    remote: RemoteConfig | None = None
+
+    @field_validator("runs_path")
+    @classmethod
+    def _runs_path_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("runs_path must not be empty")
+        return v
+
+
+class Config(BaseModel):
+    """A whole configuration: ``checkpointing`` plus any other tables, kept verbatim."""
+
+    model_config = ConfigDict(extra="allow")
+
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    #: the TOML text this config was loaded from (saved into runs/<id>/config/train.toml)
+    source_toml: str | None = Field(default=None, exclude=True)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        lines.append(f"{key}: {e['msg']}")
+    return f"invalid configuration in {where}: " + "; ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], *, where: str = "<dict>", source: str | None = None
+                     ) -> Config:
+    """Validate a parsed TOML/JSON mapping; :class:`ConfigError` names each bad key."""
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, where)) from None
+    cfg.source_toml = source
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a TOML file (see configs/ for examples)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"invalid TOML in {p}: {err}") from None
+    return config_from_dict(data, where=str(p), source=text)
+
+
+def parse_config(text: str, *, where: str = "<string>") -> Config:
+    """Validate TOML text."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"invalid TOML in {where}: {err}") from None
+    return config_from_dict(data, where=where, source=text)

@@ -1,0 +1,541 @@
+"""CheckpointManager: ``await save(step)`` blocks only for a snapshot; the rest is background.
+
+The manager owns a private event loop thread (:class:`BackgroundLoop`), a thread pool for the
+codec, reusable staging buffers and a Store. ``save()`` copies the state into the staging
+buffers on the caller's thread and hands everything else — encode, checksum, write, manifest
+commit, alias moves, retention — to the background loop. At most one save is in flight; a
+failure there aborts only that save, leaves the previous version untouched, and is raised by the
+next ``save()``/``wait_until_finished()``/``check_for_errors()``.
+
+Synchronous training loops use the same machinery through ``save_nowait()``, ``wait()``,
+``restore_sync()`` and ``close()``; the pipeline progresses on its own thread either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from mithril_async.catalog import RunCatalog
+from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.errors import (
+    ChecksumMismatch,
+    InvalidFormat,
+    KeyNotFound,
+    MissingPrevious,
+    SaveFailed,
+    SaveInProgress,
+    StepAlreadyExists,
+    VersionNotFound,
+)
+from mithril_async.layout import RunLayout, new_run_id
+from mithril_async.manifest import (
+    BlobRef,
+    OptimizerEntry,
+    RankKey,
+    ResumeInfo,
+    RngEntry,
+    SaveStats,
+    ShardRef,
+    VersionManifest,
+    dump_model,
+    utcnow,
+    version_id,
+    version_number,
+)
+from mithril_async.pipeline.blobs import BlobCodec, StagedItem
+from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.results import SaveHandle, SaveResult
+from mithril_async.pipeline.stager import Snapshot, StagingArea
+from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN, Policy, plan_retention
+from mithril_async.state import (
+    JsonStateful,
+    Stateful,
+    capture_rng,
+    flatten_state,
+    restore_rng,
+    unflatten_state,
+)
+from mithril_async.storage.base import Store
+from mithril_async.storage.local import LocalStore
+
+log = logging.getLogger("mithril_async")
+
+_RESTORE_ERRORS = (ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious)
+
+
+def _open_local(cfg: CheckpointingConfig) -> tuple[Store, str]:
+    runs = Path(cfg.runs_path).expanduser().absolute()
+    runs.mkdir(parents=True, exist_ok=True)
+    return LocalStore(runs.parent), runs.name
+
+
+class CheckpointManager:
+    """Background checkpointing of a dict of stateful objects (model, optimizer, ...)."""
+
+    def __init__(
+        self,
+        config: Config | CheckpointingConfig,
+        state: Mapping[str, Any],
+        *,
+        store: Store | None = None,
+        runs_prefix: str | None = None,
+        on_save: Callable[[SaveResult], None] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config if isinstance(config, Config) else Config(checkpointing=config)
+        self.cfg = self.config.checkpointing
+        if "model" not in state:
+            raise ValueError("state must contain a 'model' entry (anything with state_dict())")
+        for name, obj in state.items():
+            if not isinstance(obj, (Stateful, JsonStateful)):
+                raise TypeError(f"state[{name!r}] has neither state_dict()/load_state_dict() "
+                                "nor get_state()/set_state()")
+        self.state = dict(state)
+        self.rank, self.world_size = rank, world_size
+        if store is None:
+            store, prefix = _open_local(self.cfg)
+            runs_prefix = runs_prefix or prefix
+        self.store: Store = store
+        self.run_id = self.cfg.run_id or new_run_id()
+        self.layout = RunLayout(runs_prefix or "runs", self.run_id)
+        self.catalog = RunCatalog(self.store, self.layout)
+        self.on_save = on_save
+        self.history: list[SaveResult] = []
+        threads = self.cfg.compression.threads or max(1, os.cpu_count() or 1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "mithril-codec")
+        self._codec = BlobCodec(self.cfg.compression, self.cfg.pipeline, self._pool)
+        self._staging: dict[str, StagingArea] = {}
+        self._loop: BackgroundLoop | None = None
+        self._inflight: concurrent.futures.Future[SaveResult] | None = None
+        self._error: BaseException | None = None
+        self._steps: set[int] | None = None
+        self._config_written = False
+        self._closed = False
+
+    @classmethod
+    def from_toml(cls, path: str | Path, state: Mapping[str, Any], **kw: Any) -> CheckpointManager:
+        return cls(load_config(path), state, **kw)
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def loop(self) -> BackgroundLoop:
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        if self._loop is None:
+            self._loop = BackgroundLoop()
+            self._loop.run(self._start())
+        return self._loop
+
+    async def _start(self) -> None:
+        removed = await self.catalog.clean_unfinished()
+        if removed:
+            log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
+        await self.catalog.ensure_best_pending(self.cfg.best_metric_name, self.cfg.best_mode)
+        self._steps = {m.step for m in await self.catalog.versions()}
+
+    def _bg(self, coro: Any) -> Any:
+        """Run ``coro`` on the background loop, blocking the calling thread."""
+        return self.loop.run(coro)
+
+    async def __aenter__(self) -> CheckpointManager:
+        _ = self.loop
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            if et is None:
+                await self.wait_until_finished()
+        finally:
+            self.close(wait=False)
+
+    def __enter__(self) -> CheckpointManager:
+        _ = self.loop
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if et is None:
+                self.wait()
+        finally:
+            self.close(wait=False)
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (or with ``wait=False`` abandon) the in-flight save and release resources."""
+        if self._closed:
+            return
+        try:
+            if wait and self._inflight is not None:
+                concurrent.futures.wait([self._inflight])
+        finally:
+            self._closed = True
+            if self._loop is not None:
+                self._loop.run(self.store.close())
+                self._loop.close()
+            self._pool.shutdown(wait=True)
+            for area in self._staging.values():
+                area.release()
+
+    # ------------------------------------------------------------ queries
+    def should_save(self, step: int) -> bool:
+        return step > 0 and step % self.cfg.ckpting_save_iter == 0
+
+    def all_steps(self) -> list[int]:
+        return [m.step for m in self._bg(self.catalog.versions())]
+
+    def latest_step(self) -> int | None:
+        alias = self._bg(self.catalog.read_alias("latest"))
+        return None if alias is None else alias.step
+
+    def best_step(self) -> int | None:
+        alias = self._bg(self.catalog.read_alias("best"))
+        return None if alias is None or alias.status != "ok" else alias.step
+
+    def check_for_errors(self) -> None:
+        """Raise the error of a failed background save (once), as :class:`SaveFailed`."""
+        fut = self._inflight
+        if fut is not None and fut.done():
+            self._inflight = None
+            exc = fut.exception()
+            if exc is not None:
+                self._error = exc
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise SaveFailed(f"a background save failed: {err}") from err
+
+    # ------------------------------------------------------------ save
+    async def save(self, step: int, metrics: Mapping[str, Any] | None = None,
+                   *, force: bool = False) -> SaveHandle:
+        """Snapshot now, write in the background; returns once the snapshot is consistent."""
+        t0 = time.perf_counter()
+        handle = self._begin(step, t0)
+        if handle is not None:
+            return handle
+        fut = self._inflight
+        waited = 0.0
+        if fut is not None and not fut.done():
+            if self.cfg.pipeline.on_busy == "wait":
+                await asyncio.wrap_future(fut)
+                waited = time.perf_counter() - t0
+            else:
+                return self._busy(step, t0)
+        self.check_for_errors()
+        snaps = self._snapshot(step)
+        for snap in snaps.values():
+            if isinstance(snap, Snapshot):
+                await snap.wait()
+        return self._submit(step, metrics, snaps, t0, waited)
+
+    def save_nowait(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Synchronous ``save()``: blocks only for the snapshot (and a busy pipeline)."""
+        t0 = time.perf_counter()
+        handle = self._begin(step, t0)
+        if handle is not None:
+            return handle
+        fut = self._inflight
+        waited = 0.0
+        if fut is not None and not fut.done():
+            if self.cfg.pipeline.on_busy == "wait":
+                concurrent.futures.wait([fut])
+                waited = time.perf_counter() - t0
+            else:
+                return self._busy(step, t0)
+        self.check_for_errors()
+        snaps = self._snapshot(step)
+        for snap in snaps.values():
+            if isinstance(snap, Snapshot):
+                snap.wait_blocking()
+        return self._submit(step, metrics, snaps, t0, waited)
+
+    def _begin(self, step: int, t0: float) -> SaveHandle | None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _ = self.loop
+        self.check_for_errors()
+        if self._steps is not None and step in self._steps:
+            raise StepAlreadyExists(f"run {self.run_id}: step {step} is already committed; "
+                                    "nothing is overwritten")
+        return None
+
+    def _busy(self, step: int, t0: float) -> SaveHandle:
+        if self.cfg.pipeline.on_busy == "error":
+            raise SaveInProgress(f"save of step {step} refused: a save is still in flight")
+        res = SaveResult(step, status="skipped", stall_s=time.perf_counter() - t0)
+        log.info("save of step %d skipped: previous save still in flight (on_busy=skip)", step)
+        self.history.append(res)
+        return SaveHandle(res)
+
+    def _snapshot(self, step: int) -> dict[str, Snapshot | dict[str, Any]]:
+        """Copy every stateful object's tensors into reused buffers (the stall)."""
+        out: dict[str, Snapshot | dict[str, Any]] = {}
+        skeletons: dict[str, Any] = {}
+        for name, obj in self.state.items():
+            if isinstance(obj, Stateful):
+                skeleton, tensors = flatten_state(obj.state_dict())
+                area = self._staging.setdefault(name, StagingArea())
+                out[name] = area.snapshot(tensors)
+                skeletons[name] = skeleton
+            else:
+                out[name] = {"json_state": obj.get_state()}
+        self._skeletons = skeletons
+        out["__rng__"] = {"rng": capture_rng()}
+        return out
+
+    def _submit(self, step: int, metrics: Mapping[str, Any] | None,
+                snaps: dict[str, Snapshot | dict[str, Any]], t0: float,
+                waited: float) -> SaveHandle:
+        res = SaveResult(step, stall_s=time.perf_counter() - t0, waited_s=waited)
+        items = [StagedItem(name, self._skeletons[name], snap.tensors)
+                 for name, snap in snaps.items() if isinstance(snap, Snapshot)]
+        json_states = {name: s["json_state"] for name, s in snaps.items()
+                       if isinstance(s, dict) and "json_state" in s}
+        rng = snaps["__rng__"]
+        assert isinstance(rng, dict)
+        job = self._run_save(res, dict(metrics or {}), items, json_states, rng["rng"], t0)
+        fut = self.loop.submit(job)
+        self._inflight = fut
+        return SaveHandle(res, fut)
+
+    async def _run_save(self, res: SaveResult, metrics: dict[str, Any], items: list[StagedItem],
+                        json_states: dict[str, Any], rng: dict[str, Any], t0: float
+                        ) -> SaveResult:
+        number = await self.catalog.claim_version()
+        vid = version_id(number)
+        res.version_id = vid
+        try:
+            manifest = await self._write_version(number, res, metrics, items, json_states, rng)
+            key = self.layout.manifest_key(number)
+            await self.store.put_if_absent(key, dump_model(manifest))
+        except BaseException as err:
+            res.status, res.error = "failed", repr(err)
+            res.total_s = time.perf_counter() - t0
+            self.history.append(res)
+            log.error("save of step %d (%s) failed: %r", res.step, vid, err)
+            await asyncio.shield(self._discard(number))
+            raise
+        if self._steps is not None:
+            self._steps.add(res.step)
+        await self.catalog.move_latest(manifest, key)
+        await self.catalog.move_best(manifest, key, self.cfg.best_metric_name, self.cfg.best_mode)
+        await self.catalog.update_run_manifest(self._root_local(), None)
+        await self._apply_retention()
+        res.status = "committed"
+        res.total_s = time.perf_counter() - t0
+        self.history.append(res)
+        log.info("%s", res.line())
+        if self.on_save is not None:
+            self.on_save(res)
+        return res
+
+    async def _write_version(self, number: int, res: SaveResult, metrics: dict[str, Any],
+                             items: list[StagedItem], json_states: dict[str, Any],
+                             rng: dict[str, Any]) -> VersionManifest:
+        model: BlobRef | None = None
+        optimizer: OptimizerEntry | None = None
+        extra: dict[str, list[ShardRef]] = {}
+        for item in items:
+            if item.name == "model":
+                key = self.layout.model_key(number, self._codec.model_ext)
+            else:
+                key = self.layout.shard_key(number, item.name, self.rank)
+            ref = await self._codec.write(self.store, key, item, step=res.step)
+            res.bytes_in += ref.raw_bytes
+            res.bytes_out += ref.bytes
+            if item.name == "model":
+                model = ref
+            elif item.name == "optimizer":
+                optimizer = OptimizerEntry(sharding="per_rank", shards=[
+                    ShardRef(rank=self.rank, **ref.model_dump())])
+            else:
+                extra[item.name] = [ShardRef(rank=self.rank, **ref.model_dump())]
+        assert model is not None
+        exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
+                    for s in json_states.values())
+        rng_key = self.layout.rng_key(number, self.rank)
+        rng_doc = {"rank": self.rank, "step": res.step, "rng": rng, "states": json_states,
+                   "exact": exact}
+        import json
+
+        await self.store.put(rng_key, json.dumps(rng_doc).encode())
+        config_ref = await self._write_config()
+        return VersionManifest(
+            run_id=self.run_id, version_id=version_id(number), created_at=utcnow(),
+            step=res.step, world_size=self.world_size,
+            paths={"root_local": self._root_local()},  # type: ignore[arg-type]
+            config=config_ref, model=model, optimizer=optimizer,
+            rng=RngEntry(per_rank=True, keys=[RankKey(rank=self.rank, key=rng_key)]),
+            extra=extra, resume=ResumeInfo(base_step=res.step, exact=exact), metrics=metrics,
+            compression=self._codec.describe(),
+            stats=SaveStats(stall_s=res.stall_s, bytes_in=res.bytes_in, bytes_out=res.bytes_out),
+        )
+
+    async def _write_config(self) -> BlobRef | None:
+        """Write config/train.toml and config.json once per run; return the TOML's ref."""
+        import json
+
+        import xxhash
+
+        toml = (self.config.source_toml or "").encode()
+        key = self.layout.config_key("train.toml")
+        if not self._config_written:
+            if not await self.store.exists(key):
+                await self.store.put(key, toml)
+                cfg_json = json.dumps(self.config.model_dump(mode="json"), indent=2).encode()
+                await self.store.put(self.layout.config_key("config.json"), cfg_json)
+            self._config_written = True
+        data = await self.store.get(key)
+        return BlobRef(key=key, bytes=len(data), xxh64=xxhash.xxh64_hexdigest(data),
+                       format="toml")
+
+    async def _discard(self, number: int) -> None:
+        """Remove whatever an aborted save left in its version folder."""
+        try:
+            for key in await self.store.list(self.layout.version_dir(number) + "/"):
+                await self.store.delete(key)
+        except Exception as err:  # the next start cleans what remains
+            log.warning("could not clean aborted version %s: %r", version_id(number), err)
+
+    def _root_local(self) -> str | None:
+        root = getattr(self.store, "root", None)
+        return None if root is None else str(root)
+
+    def _policies(self) -> list[Policy]:
+        c = self.cfg
+        out: list[Policy] = []
+        if c.keep_last:
+            out.append(KeepLastN(c.keep_last))
+        if c.keep_best and c.best_metric_name:
+            out.append(KeepBestN(c.keep_best, c.best_metric_name, c.best_mode))
+        if c.keep_every_n_steps:
+            out.append(KeepEveryNSteps(c.keep_every_n_steps))
+        return out
+
+    async def _apply_retention(self) -> list[str]:
+        policies = self._policies()
+        if not policies:
+            return []
+        versions = await self.catalog.versions()
+        protected = set()
+        for name in ("latest", "best"):
+            alias = await self.catalog.read_alias(name)
+            if alias is not None and alias.version_id:
+                protected.add(alias.version_id)
+        _, delete = plan_retention(versions, policies, protected)
+        for vid in delete:
+            await self.catalog.delete_version(vid)
+            if self._steps is not None:
+                self._steps.discard(next(v.step for v in versions if v.version_id == vid))
+        if delete:
+            log.info("retention deleted %s", ", ".join(delete))
+            await self.catalog.update_run_manifest(self._root_local(), None)
+        return delete
+
+    async def wait_until_finished(self) -> None:
+        """Wait for the in-flight save; raise :class:`SaveFailed` if it failed."""
+        fut = self._inflight
+        if fut is not None:
+            try:
+                await asyncio.wrap_future(fut)
+            except BaseException:
+                pass
+        self.check_for_errors()
+
+    def wait(self) -> None:
+        """Synchronous :meth:`wait_until_finished`."""
+        fut = self._inflight
+        if fut is not None:
+            concurrent.futures.wait([fut])
+        self.check_for_errors()
+
+    # ------------------------------------------------------------ restore
+    async def restore(self, target: str | int = "latest", *, fallback: bool = False,
+                      load: Literal["all", "model"] = "all") -> int:
+        """Load a committed version into the live state; return its step.
+
+        ``fallback=True``: if the target fails verification, the newest older version that
+        verifies is loaded instead (and a warning names what was skipped).
+        """
+        decoded = await asyncio.wrap_future(self.loop.submit(self._read_version(target, fallback)))
+        manifest, trees, rng_doc = decoded
+        self._apply(manifest, trees, rng_doc, load)
+        return manifest.step
+
+    def restore_sync(self, target: str | int = "latest", *, fallback: bool = False,
+                     load: Literal["all", "model"] = "all") -> int:
+        manifest, trees, rng_doc = self._bg(self._read_version(target, fallback))
+        self._apply(manifest, trees, rng_doc, load)
+        return int(manifest.step)
+
+    async def _read_version(self, target: str | int, fallback: bool
+                            ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
+        key = await self.catalog.resolve(target)
+        try:
+            return await self._decode_version(key)
+        except _RESTORE_ERRORS as err:
+            if not fallback:
+                raise
+            first_err = err
+        bad = await self.catalog.read_manifest(key)
+        for m in reversed(await self.catalog.versions()):
+            if m.step >= bad.step:
+                continue
+            cand = self.layout.manifest_key(version_number(m.version_id))
+            try:
+                out = await self._decode_version(cand)
+            except _RESTORE_ERRORS as err:
+                log.warning("fallback: %s does not verify either: %s", m.version_id, err)
+                continue
+            log.warning("restore fell back from %s (%s) to %s (step %d)", bad.version_id,
+                        first_err, m.version_id, m.step)
+            return out
+        raise VersionNotFound(f"no version at or before {bad.version_id} verifies; "
+                              f"first error: {first_err}") from first_err
+
+    async def _decode_version(self, key: str
+                              ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
+        import json
+
+        m = await self.catalog.read_manifest(key)
+        refs: dict[str, BlobRef] = {"model": m.model}
+        if m.optimizer is not None:
+            refs["optimizer"] = next(s for s in m.optimizer.shards if s.rank == self.rank)
+        for name, shards in m.extra.items():
+            refs[name] = next(s for s in shards if s.rank == self.rank)
+        trees: dict[str, Any] = {}
+        for name, ref in refs.items():
+            skeleton, tensors = await self._codec.read(self.store, ref)
+            trees[name] = unflatten_state(skeleton, tensors)
+        rng_key = next(r.key for r in m.rng.keys if r.rank == self.rank)
+        try:
+            rng_doc = json.loads(await self.store.get(rng_key))
+        except ValueError as err:
+            raise InvalidFormat(f"{rng_key}: not valid JSON ({err})") from None
+        return m, trees, rng_doc
+
+    def _apply(self, m: VersionManifest, trees: dict[str, Any], rng_doc: dict[str, Any],
+               load: str) -> None:
+        for name, obj in self.state.items():
+            if load == "model" and name != "model":
+                continue
+            if name == "optimizer" and not self.cfg.resume_optimizer:
+                continue
+            if isinstance(obj, Stateful):
+                if name not in trees:
+                    raise VersionNotFound(f"{m.version_id} has no state for {name!r}")
+                obj.load_state_dict(trees[name])
+            elif name in rng_doc.get("states", {}):
+                obj.set_state(rng_doc["states"][name])
+        if load == "all":
+            restore_rng(rng_doc["rng"])
+        if self._steps is not None:
+            self._steps.add(m.step)

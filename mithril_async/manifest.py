@@ -1,0 +1,221 @@
+"""Pydantic models of the on-disk metadata: version manifests, aliases, the run manifest.
+
+Schemas follow seed 002 (runs/<run_id>/versions/vNNNNNN/manifest.json, aliases/{latest,best}.json,
+run.json). Every ``key`` is repo-root relative and validated with ``check_key``; parsing any of
+these files goes through :func:`parse_model`, which turns malformed JSON, schema violations and
+unknown schema versions into typed errors naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mithril_async.errors import InvalidFormat, UnknownFormatVersion
+from mithril_async.storage.base import check_key
+
+SCHEMA_VERSION = 1
+LAYOUT_VERSION = 1
+#: the largest metadata file we will parse (a manifest is a few KiB; refuse hostile sizes)
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+
+_VERSION_ID = re.compile(r"^v\d{6,}$")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Keyed(_Model):
+    key: str
+
+    @field_validator("key")
+    @classmethod
+    def _safe_key(cls, v: str) -> str:
+        return check_key(v)
+
+
+class BaseRef(_Model):
+    """The blob a delta-encoded blob was encoded against."""
+
+    version_id: str
+    key: str
+    xxh64: str
+
+    @field_validator("key")
+    @classmethod
+    def _safe_key(cls, v: str) -> str:
+        return check_key(v)
+
+
+class BlobRef(_Keyed):
+    """One stored artifact: where it is, how big, its checksum and how it was made."""
+
+    bytes: int = Field(ge=0, le=1 << 50)
+    xxh64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    format: Literal["mckp", "safetensors", "json", "toml"] = "mckp"
+    raw_bytes: int = Field(default=0, ge=0, le=1 << 50)
+    base: BaseRef | None = None
+
+
+class ShardRef(BlobRef):
+    rank: int = Field(ge=0, le=1 << 20)
+
+
+class RankKey(_Keyed):
+    rank: int = Field(ge=0, le=1 << 20)
+
+
+class Paths(_Model):
+    layout_version: int = LAYOUT_VERSION
+    root_local: str | None = None
+    root_remote: str | None = None
+
+
+class OptimizerEntry(_Model):
+    sharding: Literal["none", "per_rank"] = "per_rank"
+    shards: list[ShardRef] = Field(default_factory=list)
+
+
+class RngEntry(_Model):
+    per_rank: bool = True
+    keys: list[RankKey] = Field(default_factory=list)
+
+
+class ResumeInfo(_Model):
+    base_step: int
+    exact: bool
+
+
+class SaveStats(_Model):
+    stall_s: float = 0.0
+    total_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class VersionManifest(_Model):
+    """``versions/vNNNNNN/manifest.json``: everything needed to restore one version."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    version_id: str = Field(pattern=_VERSION_ID.pattern)
+    created_at: datetime
+    step: int = Field(ge=0)
+    world_size: int = Field(default=1, ge=1, le=1 << 20)
+    paths: Paths = Field(default_factory=Paths)
+    config: BlobRef | None = None
+    model: BlobRef
+    optimizer: OptimizerEntry | None = None
+    rng: RngEntry = Field(default_factory=RngEntry)
+    extra: dict[str, list[ShardRef]] = Field(default_factory=dict)
+    resume: ResumeInfo
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    compression: dict[str, Any] = Field(default_factory=dict)
+    stats: SaveStats = Field(default_factory=SaveStats)
+
+    def blobs(self) -> list[BlobRef]:
+        """Every blob this version names (model, optimizer shards, extras)."""
+        out: list[BlobRef] = [self.model]
+        if self.optimizer is not None:
+            out.extend(self.optimizer.shards)
+        for shards in self.extra.values():
+            out.extend(shards)
+        return out
+
+    def keys(self) -> list[str]:
+        return [b.key for b in self.blobs()] + [r.key for r in self.rng.keys]
+
+
+class AliasFile(_Model):
+    """``aliases/<name>.json``: a pointer to a version; ``best`` is ``pending`` until a metric."""
+
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    status: Literal["ok", "pending"]
+    run_id: str
+    version_id: str | None = None
+    step: int | None = None
+    manifest_key: str | None = None
+    metric_name: str | None = None
+    metric_value: float | None = None
+    mode: Literal["min", "max"] | None = None
+    updated_at: datetime
+
+    @field_validator("manifest_key")
+    @classmethod
+    def _safe_key(cls, v: str | None) -> str | None:
+        return None if v is None else check_key(v)
+
+
+class VersionSummary(_Model):
+    version_id: str
+    step: int
+    created_at: datetime
+    model_key: str
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    bytes: int = 0
+
+
+class RunManifest(_Model):
+    """``runs/<run_id>/run.json``: the run's versions and aliases at a glance."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    created_at: datetime
+    paths: Paths = Field(default_factory=Paths)
+    config: BlobRef | None = None
+    aliases: dict[str, str | None] = Field(default_factory=dict)
+    versions: list[VersionSummary] = Field(default_factory=list)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_model(cls: type[M], data: bytes, where: str) -> M:
+    """Parse JSON ``data`` into ``cls``; typed errors name ``where`` (a key or path)."""
+    if len(data) > MAX_METADATA_BYTES:
+        raise InvalidFormat(f"{where}: metadata file of {len(data)} bytes is implausibly large")
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidFormat(f"{where}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise InvalidFormat(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise UnknownFormatVersion(
+            f"{where}: schema_version {version!r} is not one this reader knows ({SCHEMA_VERSION})"
+        )
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()[:5]
+        )
+        raise InvalidFormat(f"{where}: does not match the {cls.__name__} schema: {problems}"
+                            ) from None
+
+
+def dump_model(model: BaseModel) -> bytes:
+    """Serialise a model as pretty JSON (stable key order, UTF-8)."""
+    return model.model_dump_json(indent=2).encode("utf-8") + b"\n"
+
+
+def version_id(number: int) -> str:
+    return f"v{number:06d}"
+
+
+def version_number(vid: str) -> int:
+    if not _VERSION_ID.match(vid):
+        raise InvalidFormat(f"not a version id: {vid!r}")
+    return int(vid[1:])

@@ -1,0 +1,61 @@
+"""What a save reports: timings, sizes and throughput, for callbacks, logs and the demo table."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class SaveResult:
+    """One save, as the training loop and the logs see it."""
+
+    step: int
+    status: Literal["committed", "skipped", "failed", "pending"] = "pending"
+    version_id: str | None = None
+    #: seconds ``save()`` blocked the caller (snapshot copy, plus any wait for a busy pipeline)
+    stall_s: float = 0.0
+    #: seconds spent waiting for the previous save (part of ``stall_s``; on_busy = "wait")
+    waited_s: float = 0.0
+    #: seconds from the call to the commit of manifest and aliases
+    total_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_in / self.bytes_out if self.bytes_out else 0.0
+
+    @property
+    def mb_s(self) -> float:
+        """Throughput of the whole save in MB/s of raw state."""
+        return self.bytes_in / 1e6 / self.total_s if self.total_s > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"step {self.step:>7} {self.status:<9} {self.version_id or '-':>8} "
+                f"stall {self.stall_s * 1e3:8.1f} ms  total {self.total_s:7.3f} s  "
+                f"{self.bytes_in / 1e6:9.2f} MB -> {self.bytes_out / 1e6:9.2f} MB  "
+                f"ratio {self.ratio:5.2f}x  {self.mb_s:8.1f} MB/s")
+
+
+@dataclass
+class SaveHandle:
+    """Returned by ``save()``: the snapshot is done; ``result()`` waits for the commit."""
+
+    result_obj: SaveResult
+    future: concurrent.futures.Future[SaveResult] | None = field(default=None, repr=False)
+
+    @property
+    def skipped(self) -> bool:
+        return self.result_obj.status == "skipped"
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """Block until the background part finished; raise its error if it failed."""
+        if self.future is None:
+            return self.result_obj
+        return self.future.result(timeout)

@@ -1,0 +1,187 @@
+"""State trees: the Stateful protocol, flattening to (skeleton, tensors), RNG capture/restore.
+
+A state dict (model, optimizer, scheduler...) is a tree of dicts/lists/tuples whose leaves are
+tensors or plain values. We store tensors in binary blobs and everything else as a JSON
+*skeleton* with typed tags, so restore rebuilds the exact tree (int dict keys of optimizer state,
+tuples of betas, NaN floats, dtypes) without pickle: loading a checkpoint never runs code.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import random
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from mithril_async.errors import UnsupportedStateType
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()`` (models, optimizers, schedulers)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@runtime_checkable
+class JsonStateful(Protocol):
+    """A data loader / batcher whose position is small JSON (seed 002 ``get_state``).
+
+    The state may carry ``"exact": False`` to say replay from it is best-effort only.
+    """
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> Any: ...
+
+
+def _enc_key(k: Any, path: str) -> Any:
+    if isinstance(k, (str, int, bool)) or k is None:
+        return k
+    if isinstance(k, float):
+        return _enc_scalar(k)
+    if isinstance(k, tuple):
+        return {"U": [_enc_key(x, path) for x in k]}
+    raise UnsupportedStateType(f"dict key of type {type(k).__name__} at {path!r}")
+
+
+def _enc_scalar(x: float) -> Any:
+    return x if math.isfinite(x) else {"f": repr(x)}
+
+
+def flatten_state(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``tree`` into a JSON-able skeleton and a flat ``{path: tensor}`` dict.
+
+    Tensor paths are '/'-joined keys (stable across saves of the same structure).
+    numpy arrays are stored as tensors and come back as numpy arrays.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def name_for(path: str) -> str:
+        name = path or "."
+        n = 1
+        while name in tensors:
+            n += 1
+            name = f"{path}#{n}"
+        return name
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_sparse or x.layout != torch.strided:
+                raise UnsupportedStateType(f"non-strided tensor at {path!r} ({x.layout})")
+            name = name_for(path)
+            tensors[name] = x.detach()
+            return {"T": name}
+        if isinstance(x, np.ndarray):
+            name = name_for(path)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
+            return {"N": name}
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            return _enc_scalar(x)
+        if isinstance(x, (np.integer, np.floating, np.bool_)):
+            return {"np": str(x.dtype), "v": enc(x.item(), path)}
+        if isinstance(x, dict):
+            return {"D": [[_enc_key(k, path), enc(v, f"{path}/{k}" if path else str(k))]
+                          for k, v in x.items()]}
+        if isinstance(x, torch.Size):
+            return {"S": list(x)}
+        if isinstance(x, tuple):
+            return {"U": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return {"L": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        if isinstance(x, torch.dtype):
+            return {"dt": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.device):
+            return {"dev": str(x)}
+        if isinstance(x, bytes):
+            return {"B": base64.b64encode(x).decode("ascii")}
+        raise UnsupportedStateType(
+            f"cannot store a {type(x).__module__}.{type(x).__qualname__} at {path!r} "
+            "(only tensors, numpy arrays, containers and plain scalars; no pickle)"
+        )
+
+    return enc(tree, ""), tensors
+
+
+def _dec_key(k: Any) -> Any:
+    if isinstance(k, dict):
+        if "U" in k:
+            return tuple(_dec_key(x) for x in k["U"])
+        if "f" in k:
+            return float(k["f"])
+    return k
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten_state`; ``KeyError`` names a tensor the skeleton lacks."""
+
+    def dec(x: Any) -> Any:
+        if not isinstance(x, dict):
+            return x
+        if "T" in x:
+            return tensors[x["T"]]
+        if "N" in x:
+            return tensors[x["N"]].numpy()
+        if "D" in x:
+            return {_dec_key(k): dec(v) for k, v in x["D"]}
+        if "L" in x:
+            return [dec(v) for v in x["L"]]
+        if "U" in x:
+            return tuple(dec(v) for v in x["U"])
+        if "S" in x:
+            return torch.Size(x["S"])
+        if "f" in x:
+            return float(x["f"])
+        if "np" in x:
+            return np.dtype(x["np"]).type(dec(x["v"]))
+        if "dt" in x:
+            return getattr(torch, x["dt"])
+        if "dev" in x:
+            return torch.device(x["dev"])
+        if "B" in x:
+            return base64.b64decode(x["B"])
+        raise ValueError(f"unknown skeleton node {sorted(x)}")
+
+    return dec(skeleton)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG state of python, numpy, torch (and every CUDA device), as JSON."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],  # type: ignore[misc]
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng` captured (CUDA only when present on both sides)."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = state["numpy"]
+    np.random.set_state((npst[0], np.asarray(npst[1], dtype=np.uint32), *npst[2:]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
