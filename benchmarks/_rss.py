@@ -9,7 +9,7 @@ import psutil
 
 
 class PeakRSS:
-    """``with PeakRSS() as p: ...`` then ``p.peak_extra`` = max RSS during the block - RSS before."""
+    """``with PeakRSS() as p: ...``; ``p.peak_extra`` = max RSS in the block - RSS before."""
 
     def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s = interval_s

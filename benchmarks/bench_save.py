@@ -28,9 +28,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _rss import PeakRSS  # noqa: E402
+from _rss import PeakRSS
 
-from mithril_async import CheckpointManager, parse_config  # noqa: E402
+from mithril_async import CheckpointManager, parse_config
 
 
 class Holder:
@@ -125,7 +125,7 @@ def bench_state(label: str, sd: dict[str, torch.Tensor], saves: int) -> list[str
         rows["torch.save"] = run_system(saves, torch_save(sd, root))
     d = rows["DCP async_save"]
     out = [f"\n{label}: {nbytes / 2**30:.3f} GiB, {len(sd)} tensors, median of {saves} saves",
-           f"| system | stall s | e2e s | peak extra (x state) | stall / DCP | e2e / DCP |",
+           "| system | stall s | e2e s | peak extra (x state) | stall / DCP | e2e / DCP |",
            "|---|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         out.append(f"| {name} | {r['stall']:.3f} | {r['e2e']:.3f} | "

@@ -82,7 +82,7 @@ class RunCatalog:
         expected = self.layout.manifest_key(version_number(m.version_id))
         if expected != key:
             raise InvalidFormat(f"{key}: claims version {m.version_id} (expected at {expected})")
-        for k in m.keys():  # blobs may be shared with earlier versions, never other runs
+        for k in m.all_keys():  # blobs may be shared with earlier versions, never other runs
             if not self.layout.owns(k):
                 raise InvalidFormat(f"{key}: names key {k!r} outside its run")
         self._manifests[key] = m
@@ -190,7 +190,7 @@ class RunCatalog:
             if cur is not None:
                 return None
             return AliasFile(name="best", status="pending", run_id=self.layout.run_id,
-                             metric_name=metric, mode=mode,  # type: ignore[arg-type]
+                             metric_name=metric, mode=mode,
                              updated_at=utcnow())
 
         await self._cas("best", decide)
@@ -249,7 +249,7 @@ class RunCatalog:
                 etag, created = None, utcnow()
             run = RunManifest(
                 run_id=self.layout.run_id, created_at=created,
-                paths={"root_local": root_local, "root_remote": root_remote},  # type: ignore[arg-type]
+                paths={"root_local": root_local, "root_remote": root_remote},
                 aliases={"latest": latest.version_id if latest else None,
                          "best": best.version_id if best else None},
                 versions=[VersionSummary(version_id=v.version_id, step=v.step,

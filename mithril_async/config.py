@@ -66,8 +66,8 @@ class CheckpointingConfig(_Strict):
     keep_last: int | None = Field(None, ge=1)
     keep_best: int | None = Field(None, ge=1)
     keep_every_n_steps: int | None = Field(None, ge=1)
-    compression: CompressionConfig = Field(default_factory=CompressionConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig())
+    pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig())
     remote: RemoteConfig | None = None
 
     @field_validator("runs_path")
@@ -83,7 +83,7 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=lambda: CheckpointingConfig())
     #: the TOML text this config was loaded from (saved into runs/<id>/config/train.toml)
     source_toml: str | None = Field(default=None, exclude=True)
 

@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
+
+import xxhash
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config
 from mithril_async.errors import (
     ChecksumMismatch,
+    DistributedError,
     InvalidFormat,
     KeyNotFound,
     MissingPrevious,
@@ -51,6 +56,7 @@ from mithril_async.manifest import (
     version_number,
 )
 from mithril_async.pipeline.blobs import BlobCodec, StagedItem
+from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.pipeline.stager import Snapshot, StagingArea
@@ -67,6 +73,7 @@ from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
 
 log = logging.getLogger("mithril_async")
+R = TypeVar("R")
 
 _RESTORE_ERRORS = (ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious)
 
@@ -88,8 +95,8 @@ class CheckpointManager:
         store: Store | None = None,
         runs_prefix: str | None = None,
         on_save: Callable[[SaveResult], None] | None = None,
-        rank: int = 0,
-        world_size: int = 1,
+        coordinator: Coordinator | None = None,
+        sharded_model: bool = False,
     ) -> None:
         self.config = config if isinstance(config, Config) else Config(checkpointing=config)
         self.cfg = self.config.checkpointing
@@ -100,7 +107,10 @@ class CheckpointManager:
                 raise TypeError(f"state[{name!r}] has neither state_dict()/load_state_dict() "
                                 "nor get_state()/set_state()")
         self.state = dict(state)
-        self.rank, self.world_size = rank, world_size
+        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
+        #: each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole model
+        self.sharded_model = sharded_model
         if store is None:
             store, prefix = _open_local(self.cfg)
             runs_prefix = runs_prefix or prefix
@@ -309,26 +319,38 @@ class CheckpointManager:
     async def _run_save(self, res: SaveResult, metrics: dict[str, Any], items: list[StagedItem],
                         json_states: dict[str, Any], rng: dict[str, Any], t0: float
                         ) -> SaveResult:
-        number = await self.catalog.claim_version()
-        vid = version_id(number)
-        res.version_id = vid
+        coord = self.coordinator
+        number = await coord.agree_version(self.catalog.claim_version)
+        res.version_id = version_id(number)
         try:
-            manifest = await self._write_version(number, res, metrics, items, json_states, rng)
-            key = self.layout.manifest_key(number)
-            await self.store.put_if_absent(key, dump_model(manifest))
+            part = await self._write_part(number, res, items, json_states, rng)
         except BaseException as err:
-            res.status, res.error = "failed", repr(err)
+            if isinstance(err, asyncio.CancelledError):
+                await asyncio.shield(self._discard(number))
+                raise
+            part = RankPart(rank=self.rank, error=f"{type(err).__name__}: {err}")
+            local_err: BaseException | None = err
+        else:
+            local_err = None
+        parts = await coord.gather_parts(part)
+        outcome: Outcome | None = None
+        manifest: VersionManifest | None = None
+        if parts is not None:  # rank 0 decides
+            outcome, manifest = await self._commit(number, res, metrics, parts)
+        outcome = await coord.broadcast_outcome(outcome)
+        if not outcome.committed:
+            res.status, res.error = "failed", outcome.error
             res.total_s = time.perf_counter() - t0
             self.history.append(res)
-            log.error("save of step %d (%s) failed: %r", res.step, vid, err)
+            log.error("save of step %d (%s) failed: %s", res.step, res.version_id, outcome.error)
             await asyncio.shield(self._discard(number))
-            raise
+            if local_err is not None and coord.world_size == 1:
+                raise local_err
+            raise DistributedError(outcome.error or "save failed")
         if self._steps is not None:
             self._steps.add(res.step)
-        await self.catalog.move_latest(manifest, key)
-        await self.catalog.move_best(manifest, key, self.cfg.best_metric_name, self.cfg.best_mode)
-        await self.catalog.update_run_manifest(self._root_local(), None)
-        await self._apply_retention()
+        if manifest is not None:
+            await self._after_commit(manifest, outcome.manifest_key or "")
         res.status = "committed"
         res.total_s = time.perf_counter() - t0
         self.history.append(res)
@@ -337,54 +359,89 @@ class CheckpointManager:
             self.on_save(res)
         return res
 
-    async def _write_version(self, number: int, res: SaveResult, metrics: dict[str, Any],
-                             items: list[StagedItem], json_states: dict[str, Any],
-                             rng: dict[str, Any]) -> VersionManifest:
-        model: BlobRef | None = None
-        optimizer: OptimizerEntry | None = None
-        extra: dict[str, list[ShardRef]] = {}
+    async def _commit(self, number: int, res: SaveResult, metrics: dict[str, Any],
+                      parts: list[RankPart]) -> tuple[Outcome, VersionManifest | None]:
+        """Rank 0: write the manifest iff every rank's blobs are durable."""
+        bad = [p for p in parts if p.error is not None]
+        if bad:
+            return Outcome(committed=False, failed_rank=bad[0].rank,
+                           error=f"rank {bad[0].rank} failed: {bad[0].error}"), None
+        key = self.layout.manifest_key(number)
+        try:
+            manifest = await self._build_manifest(number, res, metrics, parts)
+            await self.store.put_if_absent(key, dump_model(manifest))
+        except Exception as err:
+            return Outcome(committed=False, failed_rank=0,
+                           error=f"rank 0 could not commit {key}: {type(err).__name__}: {err}"
+                           ), None
+        return Outcome(committed=True, manifest_key=key), manifest
+
+    async def _after_commit(self, manifest: VersionManifest, key: str) -> None:
+        """Rank 0, after the manifest is durable: aliases, run manifest, retention."""
+        await self.catalog.move_latest(manifest, key)
+        await self.catalog.move_best(manifest, key, self.cfg.best_metric_name, self.cfg.best_mode)
+        await self.catalog.update_run_manifest(self._root_local(), None)
+        await self._apply_retention()
+
+    async def _write_part(self, number: int, res: SaveResult, items: list[StagedItem],
+                          json_states: dict[str, Any], rng: dict[str, Any]) -> RankPart:
+        """Write this rank's blobs and RNG file durably; report what was written."""
+        part = RankPart(rank=self.rank)
         for item in items:
             if item.name == "model":
-                key = self.layout.model_key(number, self._codec.model_ext)
+                if self.rank != 0 and not self.sharded_model:
+                    continue
+                key = (self.layout.model_key(number, self._codec.model_ext) if self.rank == 0
+                       and not self.sharded_model else
+                       self.layout.shard_key(number, "model", self.rank))
             else:
                 key = self.layout.shard_key(number, item.name, self.rank)
             ref = await self._codec.write(self.store, key, item, step=res.step)
-            res.bytes_in += ref.raw_bytes
-            res.bytes_out += ref.bytes
-            if item.name == "model":
-                model = ref
-            elif item.name == "optimizer":
-                optimizer = OptimizerEntry(sharding="per_rank", shards=[
-                    ShardRef(rank=self.rank, **ref.model_dump())])
+            part.bytes_in += ref.raw_bytes
+            part.bytes_out += ref.bytes
+            if item.name == "model" and self.rank == 0 and not self.sharded_model:
+                part.model = ref
             else:
-                extra[item.name] = [ShardRef(rank=self.rank, **ref.model_dump())]
-        assert model is not None
-        exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
-                    for s in json_states.values())
-        rng_key = self.layout.rng_key(number, self.rank)
+                part.shards[item.name] = ShardRef(rank=self.rank, **ref.model_dump())
+        part.exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
+                         for s in json_states.values())
+        part.rng_key = self.layout.rng_key(number, self.rank)
         rng_doc = {"rank": self.rank, "step": res.step, "rng": rng, "states": json_states,
-                   "exact": exact}
-        import json
+                   "exact": part.exact}
+        await self.store.put(part.rng_key, json.dumps(rng_doc).encode())
+        res.bytes_in += part.bytes_in
+        res.bytes_out += part.bytes_out
+        return part
 
-        await self.store.put(rng_key, json.dumps(rng_doc).encode())
-        config_ref = await self._write_config()
+    async def _build_manifest(self, number: int, res: SaveResult, metrics: dict[str, Any],
+                              parts: list[RankPart]) -> VersionManifest:
+        model = parts[0].model
+        if model is None:  # a sharded model: rank 0's shard stands for the model entry
+            model = parts[0].shards["model"]
+        shards: dict[str, list[ShardRef]] = {}
+        for p in parts:
+            for name, ref in p.shards.items():
+                shards.setdefault(name, []).append(ref)
+        optimizer = None
+        if "optimizer" in shards:
+            optimizer = OptimizerEntry(sharding="per_rank", shards=shards.pop("optimizer"))
+        exact = all(p.exact for p in parts)
         return VersionManifest(
             run_id=self.run_id, version_id=version_id(number), created_at=utcnow(),
             step=res.step, world_size=self.world_size,
-            paths={"root_local": self._root_local()},  # type: ignore[arg-type]
-            config=config_ref, model=model, optimizer=optimizer,
-            rng=RngEntry(per_rank=True, keys=[RankKey(rank=self.rank, key=rng_key)]),
-            extra=extra, resume=ResumeInfo(base_step=res.step, exact=exact), metrics=metrics,
+            paths={"root_local": self._root_local()},
+            config=await self._write_config(), model=BlobRef(**model.model_dump(
+                exclude={"rank"})), optimizer=optimizer,
+            rng=RngEntry(per_rank=True, keys=[RankKey(rank=p.rank, key=p.rng_key or "")
+                                              for p in parts]),
+            extra=shards, resume=ResumeInfo(base_step=res.step, exact=exact), metrics=metrics,
             compression=self._codec.describe(),
-            stats=SaveStats(stall_s=res.stall_s, bytes_in=res.bytes_in, bytes_out=res.bytes_out),
+            stats=SaveStats(stall_s=res.stall_s, bytes_in=sum(p.bytes_in for p in parts),
+                            bytes_out=sum(p.bytes_out for p in parts)),
         )
 
     async def _write_config(self) -> BlobRef | None:
         """Write config/train.toml and config.json once per run; return the TOML's ref."""
-        import json
-
-        import xxhash
-
         toml = (self.config.source_toml or "").encode()
         key = self.layout.config_key("train.toml")
         if not self._config_written:
@@ -444,10 +501,8 @@ class CheckpointManager:
         """Wait for the in-flight save; raise :class:`SaveFailed` if it failed."""
         fut = self._inflight
         if fut is not None:
-            try:
+            with contextlib.suppress(BaseException):
                 await asyncio.wrap_future(fut)
-            except BaseException:
-                pass
         self.check_for_errors()
 
     def wait(self) -> None:
@@ -503,24 +558,32 @@ class CheckpointManager:
 
     async def _decode_version(self, key: str
                               ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
-        import json
-
         m = await self.catalog.read_manifest(key)
         refs: dict[str, BlobRef] = {"model": m.model}
         if m.optimizer is not None:
-            refs["optimizer"] = next(s for s in m.optimizer.shards if s.rank == self.rank)
+            refs["optimizer"] = self._rank_ref(m, "optimizer", m.optimizer.shards)
         for name, shards in m.extra.items():
-            refs[name] = next(s for s in shards if s.rank == self.rank)
+            refs[name] = self._rank_ref(m, name, shards)
         trees: dict[str, Any] = {}
         for name, ref in refs.items():
             skeleton, tensors = await self._codec.read(self.store, ref)
             trees[name] = unflatten_state(skeleton, tensors)
-        rng_key = next(r.key for r in m.rng.keys if r.rank == self.rank)
+        rng_key = self._rank_ref(m, "rng", m.rng.keys).key
         try:
             rng_doc = json.loads(await self.store.get(rng_key))
         except ValueError as err:
             raise InvalidFormat(f"{rng_key}: not valid JSON ({err})") from None
         return m, trees, rng_doc
+
+    def _rank_ref(self, m: VersionManifest, what: str, refs: Sequence[R]) -> R:
+        """This rank's entry of a per-rank list, or a clear error about the world size."""
+        for ref in refs:
+            if getattr(ref, "rank", None) == self.rank:
+                return ref
+        raise DistributedError(
+            f"{m.version_id} was saved by {m.world_size} rank(s) and has no {what} shard for "
+            f"rank {self.rank} (world size now {self.world_size}); restore with the same world "
+            "size, or load the model only (restore(..., load='model')) on rank 0")
 
     def _apply(self, m: VersionManifest, trees: dict[str, Any], rng_doc: dict[str, Any],
                load: str) -> None:

@@ -132,7 +132,7 @@ class VersionManifest(_Model):
             out.extend(shards)
         return out
 
-    def keys(self) -> list[str]:
+    def all_keys(self) -> list[str]:
         return [b.key for b in self.blobs()] + [r.key for r in self.rng.keys]
 
 

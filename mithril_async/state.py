@@ -165,10 +165,10 @@ def _unb64(s: str) -> torch.Tensor:
 def capture_rng() -> dict[str, Any]:
     """The RNG state of python, numpy, torch (and every CUDA device), as JSON."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     out: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],  # type: ignore[misc]
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available():

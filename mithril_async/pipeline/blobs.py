@@ -25,9 +25,9 @@ import xxhash
 
 from mithril_async.codec.chunk import CodecParams, EncodedChunk, encode_chunk
 from mithril_async.codec.container import MckpWriter, TensorEntry
-from mithril_async.codec.state_dict import decompress_state_dict, read_info
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
+from mithril_async.codec.state_dict import decompress_state_dict, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
 from mithril_async.manifest import BlobRef
@@ -95,7 +95,7 @@ class BlobCodec:
         except BaseException:
             await asyncio.shield(writer.abort())
             raise
-        return BlobRef(key=key, bytes=size, xxh64=digest, format=fmt,  # type: ignore[arg-type]
+        return BlobRef(key=key, bytes=size, xxh64=digest, format=fmt,
                        raw_bytes=item.nbytes)
 
     def _metadata(self, item: StagedItem) -> dict[str, str]:
@@ -112,9 +112,9 @@ class BlobCodec:
         for t in item.tensors.values():
             view, _, _ = tensor_bytes(t)
             for off in range(0, view.size, step):
-                piece = view[off:off + step]
+                piece = memoryview(view[off:off + step].data)
                 await loop.run_in_executor(self.pool, h.update, piece)
-                await writer.write(memoryview(piece))
+                await writer.write(piece)
         return h.hexdigest()
 
     async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int) -> str:

@@ -115,7 +115,7 @@ def test_best_alias_pending_until_metric_and_tracks_min(make_config: ConfigFacto
 
 def test_step_already_exists_and_nothing_overwritten(make_config: ConfigFactory) -> None:
     cfg = make_config()
-    model, opt, _ = make_state()
+    model, _opt, _ = make_state()
     with CheckpointManager(cfg, {"model": model}) as m:
         m.save_nowait(5).result()
         with pytest.raises(StepAlreadyExists) as info:
@@ -128,7 +128,7 @@ def test_step_already_exists_and_nothing_overwritten(make_config: ConfigFactory)
 def test_retention_keeps_last_best_every_and_aliases(make_config: ConfigFactory) -> None:
     cfg = make_config(keep_last=2, keep_best=1, keep_every_n_steps=10,
                       best_metric_name="loss")
-    model, opt, _ = make_state()
+    model, _opt, _ = make_state()
     losses = {5: 0.1, 10: 0.9, 15: 0.8, 20: 0.7, 25: 0.6, 30: 0.5}
     with CheckpointManager(cfg, {"model": model}) as m:
         for step, loss in losses.items():
@@ -191,7 +191,7 @@ def test_failed_save_is_raised_later_and_previous_version_survives(
 
 
 def test_on_busy_skip_and_error(make_config: ConfigFactory) -> None:
-    model, opt, _ = make_state()
+    model, _opt, _ = make_state()
     gate = threading.Event()
 
     class SlowStore(MemoryStore):
@@ -264,7 +264,7 @@ def test_corrupt_blob_raises_and_fallback_loads_older(make_config: ConfigFactory
     data[len(data) // 2] ^= 0x10
     blob.write_bytes(bytes(data))
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
-        with pytest.raises(ChecksumMismatch, match="v000002/model.mckp"):
+        with pytest.raises(ChecksumMismatch, match=r"v000002/model\.mckp"):
             m.restore_sync("latest")
         assert m.restore_sync("latest", fallback=True) == 1
     assert state_equal(v1, model.state_dict())
