@@ -1,0 +1,311 @@
+"""Python face of the native byte-transform kernels (byte grouping, XOR deltas, exponent planes).
+
+Why a native core: these transforms touch every byte of every checkpoint, twice per save and
+once per restore, so they must run near memory bandwidth and off the GIL (the pipeline runs them
+in a thread pool).  The C99 kernels in ``native/`` are compiled in cffi API mode when the package
+installs (``mithril_async._kernels``); cffi releases the GIL around every call.  The SIMD level
+(AVX2 / SSE2 / scalar) is detected at run time; ``MITHRIL_KERNELS=scalar|sse2|avx2|numpy`` or
+:func:`set_backend` forces a lower one (tests check every level against the oracle).
+
+If the extension cannot be imported this module still works, on the numpy oracle
+(:mod:`mithril_async.codec.kernels_ref`), and warns loudly; :data:`BACKEND` says which path runs.
+
+Every function takes 1-D C-contiguous uint8 arrays (any C-contiguous buffer is viewed as bytes
+without a copy) and an optional ``out=``: a writable buffer of exactly the output length that is
+filled and returned as a uint8 view (a new array is allocated when ``out`` is None).  Layouts and
+plane order are documented in :mod:`~mithril_async.codec.kernels_ref`; :func:`plane_sizes` gives
+plane boundaries.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+
+from mithril_async.codec import kernels_ref as _ref
+from mithril_async.codec.kernels_ref import (
+    KIND_PLANES,
+    KIND_WIDTHS,
+    MAX_WIDTH,
+    U8,
+    WIDTHS,
+    element_width,
+    plane_sizes,
+)
+
+_log = logging.getLogger(__name__)
+
+#: native SIMD levels, lowest first (values match MK_LEVEL_* in native/kernels.h)
+LEVELS: tuple[str, ...] = ("scalar", "sse2", "avx2")
+_KIND_CODES: dict[str, int] = {"bf16": 1, "fp32": 2}
+
+_ffi: Any = None
+_lib: Any = None
+_native_error: str | None = None
+try:
+    _ext = importlib.import_module("mithril_async._kernels")
+    _ffi, _lib = _ext.ffi, _ext.lib
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    _native_error = f"{type(exc).__name__}: {exc}"
+
+#: the backend in use: "native-avx2", "native-sse2", "native-scalar" or "numpy (...)"
+BACKEND: str = ""
+_use_native = False
+
+
+def native_available() -> bool:
+    """Whether the compiled extension imported (independent of a forced numpy backend)."""
+    return _lib is not None
+
+
+def available_backends() -> tuple[str, ...]:
+    """Backend names usable on this machine, lowest first (``numpy`` always works)."""
+    if _lib is None:
+        return ("numpy",)
+    top = int(_lib.mk_detect_level())
+    return ("numpy", *LEVELS[: top + 1])
+
+
+def set_backend(name: str | None = None) -> str:
+    """Force a backend (``numpy``, ``scalar``, ``sse2``, ``avx2``; None = best) and return BACKEND.
+
+    A level above what the CPU supports is clamped to the best available one with a warning,
+    so a config written on an AVX2 machine still runs elsewhere.  Process-global: meant for tests
+    and benchmarks, not for switching while other threads run kernels.
+    """
+    global BACKEND, _use_native
+    if name is not None and name not in ("numpy", *LEVELS):
+        raise ValueError(f"unknown kernel backend {name!r}; expected numpy, scalar, sse2 or avx2")
+    if name == "numpy" or _lib is None:
+        _use_native = False
+        if _lib is None:
+            BACKEND = f"numpy (native extension unavailable: {_native_error})"
+        else:
+            BACKEND = "numpy (forced)"
+        return BACKEND
+    want = len(LEVELS) - 1 if name is None else LEVELS.index(name)
+    got = int(_lib.mk_set_level(want))
+    if got < want:
+        msg = f"kernel backend {name!r} not supported by this CPU; using {LEVELS[got]!r}"
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        _log.warning(msg)
+    _use_native = True
+    BACKEND = f"native-{LEVELS[got]}"
+    return BACKEND
+
+
+def _init_backend() -> None:
+    forced = os.environ.get("MITHRIL_KERNELS", "").strip().lower() or None
+    try:
+        set_backend(forced)
+    except ValueError as exc:
+        warnings.warn(f"ignoring MITHRIL_KERNELS: {exc}", RuntimeWarning, stacklevel=2)
+        _log.warning("ignoring MITHRIL_KERNELS: %s", exc)
+        set_backend(None)
+    if not _use_native:
+        msg = f"mithril_async byte kernels run on the slow numpy path: {BACKEND}"
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        _log.warning(msg)
+    else:
+        _log.debug("mithril_async byte kernels: %s", BACKEND)
+
+
+_init_backend()
+
+
+# ---------------------------------------------------------------------------------------------
+# argument handling
+
+
+def _in(x: object, name: str) -> U8:
+    """View an input as flat uint8 without copying; refuse non-contiguous arrays."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return x.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(x, dtype=np.uint8)  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a C-contiguous buffer: {exc}") from exc
+
+
+def _out(
+    out: object | None, nbytes: int, inputs: tuple[U8, ...], alias_ok: tuple[U8, ...] = ()
+) -> U8:
+    """Allocate or validate ``out``: writable, exactly ``nbytes``, not overlapping the inputs.
+
+    Overlap would make the transposing kernels read bytes they already overwrote; only exact
+    aliasing of an input that is read at the same offset it is written (``alias_ok``) is safe.
+    """
+    if out is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    o = _in(out, "out")
+    if not o.flags.writeable:
+        raise ValueError("out must be writable")
+    if o.size != nbytes:
+        raise ValueError(f"out has {o.size} bytes, expected exactly {nbytes}")
+    for arr in inputs:
+        if arr.size and np.may_share_memory(o, arr):
+            exact = any(
+                a is arr and a.ctypes.data == o.ctypes.data and a.size == o.size for a in alias_ok
+            )
+            if not exact:
+                raise ValueError("out must not overlap the inputs of this kernel")
+    return o
+
+
+def _same_len(a: U8, b: U8, what: str) -> None:
+    if a.size != b.size:
+        raise ValueError(f"{what} has {b.size} bytes, expected {a.size} (same as the input)")
+
+
+def _kind(kind: str) -> str:
+    if kind not in KIND_WIDTHS:
+        raise ValueError(f"unknown exponent kind {kind!r}; expected one of {sorted(KIND_WIDTHS)}")
+    return kind
+
+
+def _p(a: U8) -> Any:
+    return _ffi.from_buffer("uint8_t[]", a)
+
+
+def _pw(a: U8) -> Any:
+    return _ffi.from_buffer("uint8_t[]", a, require_writable=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def group(src: object, width: int, out: object | None = None) -> U8:
+    """Byte grouping: ``out[k*n + i] = src[i*width + k]``; the tail is copied verbatim."""
+    s = _in(src, "src")
+    w = element_width(width)
+    o = _out(out, s.size, (s,))
+    if _use_native:
+        _lib.mk_group(_p(s), _ffi.NULL, _pw(o), s.size, w)
+        return o
+    return _ref.group(s, w, o)
+
+
+def ungroup(src: object, width: int, out: object | None = None) -> U8:
+    """Inverse of :func:`group`."""
+    s = _in(src, "src")
+    w = element_width(width)
+    o = _out(out, s.size, (s,))
+    if _use_native:
+        _lib.mk_ungroup(_p(s), _ffi.NULL, _pw(o), s.size, w)
+        return o
+    return _ref.ungroup(s, w, o)
+
+
+def xor(a: object, b: object, out: object | None = None) -> U8:
+    """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place)."""
+    x, y = _in(a, "a"), _in(b, "b")
+    _same_len(x, y, "b")
+    o = _out(out, x.size, (x, y), alias_ok=(x, y))
+    if _use_native:
+        _lib.mk_xor(_p(x), _p(y), _pw(o), x.size)
+        return o
+    return _ref.xor(x, y, o)
+
+
+def xor_group(a: object, base: object, width: int, out: object | None = None) -> U8:
+    """Fused ``group(a ^ base, width)``: the XOR delta never materialises in memory."""
+    x, b = _in(a, "a"), _in(base, "base")
+    _same_len(x, b, "base")
+    w = element_width(width)
+    o = _out(out, x.size, (x, b))
+    if _use_native:
+        _lib.mk_group(_p(x), _p(b), _pw(o), x.size, w)
+        return o
+    return _ref.xor_group(x, b, w, o)
+
+
+def ungroup_xor(src: object, base: object, width: int, out: object | None = None) -> U8:
+    """Fused ``ungroup(src, width) ^ base`` (inverse of :func:`xor_group`); ``out`` may be base."""
+    s, b = _in(src, "src"), _in(base, "base")
+    _same_len(s, b, "base")
+    w = element_width(width)
+    o = _out(out, s.size, (s, b), alias_ok=(b,))
+    if _use_native:
+        _lib.mk_ungroup(_p(s), _p(b), _pw(o), s.size, w)
+        return o
+    return _ref.ungroup_xor(s, b, w, o)
+
+
+def exp_group(src: object, kind: str, base: object | None = None, out: object | None = None) -> U8:
+    """Exponent-plane grouping of ``src ^ base`` for ``kind`` in bf16/fp32 (fp16: plain group).
+
+    The exponent byte of a float compresses well while the sign bit is noise, so splitting them
+    into separate planes (ZipNN) helps zstd.  ``base`` is XORed in the original element layout.
+    """
+    s = _in(src, "src")
+    k = _kind(kind)
+    b = None if base is None else _in(base, "base")
+    if b is not None:
+        _same_len(s, b, "base")
+    o = _out(out, s.size, (s,) if b is None else (s, b))
+    if _use_native:
+        pb = _ffi.NULL if b is None else _p(b)
+        if k == "fp16":
+            _lib.mk_group(_p(s), pb, _pw(o), s.size, 2)
+        else:
+            _lib.mk_exp_group(_p(s), pb, _pw(o), s.size, _KIND_CODES[k])
+        return o
+    return _ref.exp_group(s, k, b, o)
+
+
+def exp_ungroup(
+    src: object, kind: str, base: object | None = None, out: object | None = None
+) -> U8:
+    """Inverse of :func:`exp_group`: ``exp_ungroup(exp_group(a, k, b), k, b) == a``."""
+    s = _in(src, "src")
+    k = _kind(kind)
+    b = None if base is None else _in(base, "base")
+    if b is not None:
+        _same_len(s, b, "base")
+    o = _out(out, s.size, (s,) if b is None else (s, b), alias_ok=() if b is None else (b,))
+    if _use_native:
+        pb = _ffi.NULL if b is None else _p(b)
+        if k == "fp16":
+            _lib.mk_ungroup(_p(s), pb, _pw(o), s.size, 2)
+        else:
+            _lib.mk_exp_ungroup(_p(s), pb, _pw(o), s.size, _KIND_CODES[k])
+        return o
+    return _ref.exp_ungroup(s, k, b, o)
+
+
+def spin_ns(ns: int) -> None:
+    """Busy-wait ``ns`` nanoseconds inside C (tests use it to prove the GIL is released)."""
+    if _lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_native_error}")
+    _lib.mk_spin_ns(ns)
+
+
+__all__ = [
+    "BACKEND",
+    "KIND_PLANES",
+    "KIND_WIDTHS",
+    "LEVELS",
+    "MAX_WIDTH",
+    "WIDTHS",
+    "available_backends",
+    "element_width",
+    "exp_group",
+    "exp_ungroup",
+    "group",
+    "native_available",
+    "plane_sizes",
+    "set_backend",
+    "spin_ns",
+    "ungroup",
+    "ungroup_xor",
+    "xor",
+    "xor_group",
+]
