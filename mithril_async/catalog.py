@@ -142,14 +142,15 @@ class RunCatalog:
         return not isinstance(t, (int, float)) or time.time() - t > stale_after_s
 
     async def delete_version(self, vid: str) -> None:
-        """Delete a version: manifest first (it disappears atomically), then its files."""
+        """Delete a version: manifest first (it disappears atomically), then its claim (so a
+        deletion killed half-way leaves an unclaimed folder that the next start removes),
+        then its files."""
         n = version_number(vid)
         await self.store.delete(self.layout.manifest_key(n))
         self._manifests.pop(self.layout.manifest_key(n), None)
-        for key in await self.store.list(self.layout.version_dir(n) + "/"):
-            if not key.endswith("_claim.json"):
-                await self.store.delete(key)
         await self.store.delete(self.layout.claim_key(n))
+        for key in await self.store.list(self.layout.version_dir(n) + "/"):
+            await self.store.delete(key)
 
     # ---------------------------------------------------------------- aliases
     async def read_alias(self, name: str) -> AliasFile | None:

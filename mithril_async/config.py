@@ -30,6 +30,8 @@ class CompressionConfig(_Strict):
     threads: int | None = Field(None, ge=1, le=256, description="codec threads; None = all cores")
     delta: bool = False
     keyframe_interval: int = Field(8, ge=1, le=10_000)
+    #: store tensors unchanged since the previous version once (None: on when delta is on)
+    dedup: bool | None = None
 
 
 class PipelineConfig(_Strict):

@@ -29,8 +29,10 @@ import xxhash
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ChecksumMismatch,
+    ConfigError,
     DistributedError,
     InvalidFormat,
     KeyNotFound,
@@ -42,6 +44,7 @@ from mithril_async.errors import (
 )
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.manifest import (
+    BaseRef,
     BlobRef,
     OptimizerEntry,
     RankKey,
@@ -55,11 +58,12 @@ from mithril_async.manifest import (
     version_id,
     version_number,
 )
-from mithril_async.pipeline.blobs import BlobCodec, StagedItem
+from mithril_async.delta.chain import ChainPolicy, ItemChain, commit_item, plan_item
+from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.pipeline.stager import Snapshot, StagingArea
+from mithril_async.pipeline.stager import Snapshot
 from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN, Policy, plan_retention
 from mithril_async.state import (
     JsonStateful,
@@ -74,6 +78,8 @@ from mithril_async.storage.local import LocalStore
 
 log = logging.getLogger("mithril_async")
 R = TypeVar("R")
+#: chain bookkeeping applied after a commit: chain, buffer set, blob, plan, hashes, names
+_ChainUpdate = tuple[ItemChain, int, BlobRef, EncodePlan, dict[str, int], list[str]]
 
 _RESTORE_ERRORS = (ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious)
 
@@ -107,8 +113,16 @@ class CheckpointManager:
                 raise TypeError(f"state[{name!r}] has neither state_dict()/load_state_dict() "
                                 "nor get_state()/set_state()")
         self.state = dict(state)
-        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        if coordinator is None:  # torch.distributed with >1 rank: coordinate over gloo
+            world = dist_world()
+            coordinator = (DistCoordinator() if world is not None and world[1] > 1
+                           else LocalCoordinator())
+        self.coordinator: Coordinator = coordinator
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
+        if self.world_size > 1 and self.cfg.pipeline.on_busy != "wait":
+            # skip/error are decided per rank: ranks would disagree on which saves happen
+            raise ConfigError(f"pipeline.on_busy = {self.cfg.pipeline.on_busy!r} is not "
+                              "supported with several ranks; use 'wait'")
         #: each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole model
         self.sharded_model = sharded_model
         if store is None:
@@ -116,6 +130,8 @@ class CheckpointManager:
             runs_prefix = runs_prefix or prefix
         self.store: Store = store
         self.run_id = self.cfg.run_id or new_run_id()
+        if self.cfg.run_id is None and isinstance(self.coordinator, DistCoordinator):
+            self.run_id = self.coordinator.broadcast_from_zero(self.run_id, "agree_run_id")
         self.layout = RunLayout(runs_prefix or "runs", self.run_id)
         self.catalog = RunCatalog(self.store, self.layout)
         self.on_save = on_save
@@ -123,7 +139,12 @@ class CheckpointManager:
         threads = self.cfg.compression.threads or max(1, os.cpu_count() or 1)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, "mithril-codec")
         self._codec = BlobCodec(self.cfg.compression, self.cfg.pipeline, self._pool)
-        self._staging: dict[str, StagingArea] = {}
+        comp = self.cfg.compression
+        self.chain_policy = ChainPolicy(
+            delta=comp.delta and comp.enabled,
+            dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
+            keyframe_interval=comp.keyframe_interval)
+        self._chains: dict[str, ItemChain] = {}
         self._loop: BackgroundLoop | None = None
         self._inflight: concurrent.futures.Future[SaveResult] | None = None
         self._error: BaseException | None = None
@@ -146,10 +167,14 @@ class CheckpointManager:
         return self._loop
 
     async def _start(self) -> None:
-        removed = await self.catalog.clean_unfinished()
-        if removed:
-            log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
-        await self.catalog.ensure_best_pending(self.cfg.best_metric_name, self.cfg.best_mode)
+        # Only rank 0 cleans and creates aliases. No barrier is needed: other ranks write only
+        # into versions that rank 0 claimed, and it claims only after this start has finished.
+        if self.rank == 0:
+            removed = await self.catalog.clean_unfinished()
+            if removed:
+                log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
+            await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
+                                                   self.cfg.best_mode)
         self._steps = {m.step for m in await self.catalog.versions()}
 
     def _bg(self, coro: Any) -> Any:
@@ -193,8 +218,9 @@ class CheckpointManager:
                 self._loop.run(self.store.close())
                 self._loop.close()
             self._pool.shutdown(wait=True)
-            for area in self._staging.values():
-                area.release()
+            self.coordinator.close()
+            for chain in self._chains.values():
+                chain.release()
 
     # ------------------------------------------------------------ queries
     def should_save(self, step: int) -> bool:
@@ -289,11 +315,13 @@ class CheckpointManager:
         """Copy every stateful object's tensors into reused buffers (the stall)."""
         out: dict[str, Snapshot | dict[str, Any]] = {}
         skeletons: dict[str, Any] = {}
+        self._areas: dict[str, int] = {}
         for name, obj in self.state.items():
             if isinstance(obj, Stateful):
                 skeleton, tensors = flatten_state(obj.state_dict())
-                area = self._staging.setdefault(name, StagingArea())
-                out[name] = area.snapshot(tensors)
+                chain = self._chains.setdefault(name, ItemChain(self.chain_policy))
+                self._areas[name] = chain.write_idx
+                out[name] = chain.areas[chain.write_idx].snapshot(tensors)
                 skeletons[name] = skeleton
             else:
                 out[name] = {"json_state": obj.get_state()}
@@ -305,7 +333,7 @@ class CheckpointManager:
                 snaps: dict[str, Snapshot | dict[str, Any]], t0: float,
                 waited: float) -> SaveHandle:
         res = SaveResult(step, stall_s=time.perf_counter() - t0, waited_s=waited)
-        items = [StagedItem(name, self._skeletons[name], snap.tensors)
+        items = [StagedItem(name, self._skeletons[name], snap.tensors, self._areas[name])
                  for name, snap in snaps.items() if isinstance(snap, Snapshot)]
         json_states = {name: s["json_state"] for name, s in snaps.items()
                        if isinstance(s, dict) and "json_state" in s}
@@ -322,8 +350,9 @@ class CheckpointManager:
         coord = self.coordinator
         number = await coord.agree_version(self.catalog.claim_version)
         res.version_id = version_id(number)
+        updates: list[_ChainUpdate] = []
         try:
-            part = await self._write_part(number, res, items, json_states, rng)
+            part = await self._write_part(number, res, items, json_states, rng, updates)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
                 await asyncio.shield(self._discard(number))
@@ -332,7 +361,11 @@ class CheckpointManager:
             local_err: BaseException | None = err
         else:
             local_err = None
-        parts = await coord.gather_parts(part)
+        try:
+            parts = await coord.gather_parts(part)
+        except DistributedError:  # a peer died or hung before any commit: drop our blobs
+            await asyncio.shield(self._discard(number))
+            raise
         outcome: Outcome | None = None
         manifest: VersionManifest | None = None
         if parts is not None:  # rank 0 decides
@@ -349,6 +382,8 @@ class CheckpointManager:
             raise DistributedError(outcome.error or "save failed")
         if self._steps is not None:
             self._steps.add(res.step)
+        for chain, idx, ref, plan, hashes, names in updates:
+            commit_item(chain, idx, version_id(number), ref, plan, hashes, names)
         if manifest is not None:
             await self._after_commit(manifest, outcome.manifest_key or "")
         res.status = "committed"
@@ -381,13 +416,25 @@ class CheckpointManager:
         await self.catalog.move_latest(manifest, key)
         await self.catalog.move_best(manifest, key, self.cfg.best_metric_name, self.cfg.best_mode)
         await self.catalog.update_run_manifest(self._root_local(), None)
-        await self._apply_retention()
+        try:
+            await self._apply_retention()
+        except Exception as err:  # the version is committed; leftovers are cleaned at start
+            log.warning("retention after %s failed (will retry after the next save): %r",
+                        manifest.version_id, err)
 
     async def _write_part(self, number: int, res: SaveResult, items: list[StagedItem],
-                          json_states: dict[str, Any], rng: dict[str, Any]) -> RankPart:
-        """Write this rank's blobs and RNG file durably; report what was written."""
+                          json_states: dict[str, Any], rng: dict[str, Any],
+                          updates: list[_ChainUpdate]) -> RankPart:
+        """Write this rank's blobs and RNG file durably; report what was written.
+
+        ``updates`` receives the chain bookkeeping to apply once the version commits.
+        """
         part = RankPart(rank=self.rank)
+        loop = asyncio.get_running_loop()
         for item in items:
+            chain = self._chains[item.name]
+            plan, hashes = (await loop.run_in_executor(self._pool, plan_item, chain, item.tensors)
+                            if self.chain_policy.double_buffer else (EncodePlan(), {}))
             if item.name == "model":
                 if self.rank != 0 and not self.sharded_model:
                     continue
@@ -396,7 +443,8 @@ class CheckpointManager:
                        self.layout.shard_key(number, "model", self.rank))
             else:
                 key = self.layout.shard_key(number, item.name, self.rank)
-            ref = await self._codec.write(self.store, key, item, step=res.step)
+            ref = await self._codec.write(self.store, key, item, step=res.step, plan=plan)
+            updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
             part.bytes_in += ref.raw_bytes
             part.bytes_out += ref.bytes
             if item.name == "model" and self.rank == 0 and not self.sharded_model:
@@ -520,22 +568,23 @@ class CheckpointManager:
         ``fallback=True``: if the target fails verification, the newest older version that
         verifies is loaded instead (and a warning names what was skipped).
         """
-        decoded = await asyncio.wrap_future(self.loop.submit(self._read_version(target, fallback)))
+        decoded = await asyncio.wrap_future(self.loop.submit(
+            self._read_version(target, fallback, load)))
         manifest, trees, rng_doc = decoded
         self._apply(manifest, trees, rng_doc, load)
         return manifest.step
 
     def restore_sync(self, target: str | int = "latest", *, fallback: bool = False,
                      load: Literal["all", "model"] = "all") -> int:
-        manifest, trees, rng_doc = self._bg(self._read_version(target, fallback))
+        manifest, trees, rng_doc = self._bg(self._read_version(target, fallback, load))
         self._apply(manifest, trees, rng_doc, load)
         return int(manifest.step)
 
-    async def _read_version(self, target: str | int, fallback: bool
+    async def _read_version(self, target: str | int, fallback: bool, load: str = "all"
                             ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
         key = await self.catalog.resolve(target)
         try:
-            return await self._decode_version(key)
+            return await self._decode_version(key, load)
         except _RESTORE_ERRORS as err:
             if not fallback:
                 raise
@@ -546,7 +595,7 @@ class CheckpointManager:
                 continue
             cand = self.layout.manifest_key(version_number(m.version_id))
             try:
-                out = await self._decode_version(cand)
+                out = await self._decode_version(cand, load)
             except _RESTORE_ERRORS as err:
                 log.warning("fallback: %s does not verify either: %s", m.version_id, err)
                 continue
@@ -556,17 +605,24 @@ class CheckpointManager:
         raise VersionNotFound(f"no version at or before {bad.version_id} verifies; "
                               f"first error: {first_err}") from first_err
 
-    async def _decode_version(self, key: str
+    async def _decode_version(self, key: str, load: str = "all"
                               ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
         m = await self.catalog.read_manifest(key)
+        self._check_world_size(m, load)
         refs: dict[str, BlobRef] = {"model": m.model}
-        if m.optimizer is not None:
+        if m.optimizer is not None and load != "model":
             refs["optimizer"] = self._rank_ref(m, "optimizer", m.optimizer.shards)
         for name, shards in m.extra.items():
-            refs[name] = self._rank_ref(m, name, shards)
+            if load != "model" or name == "model":
+                refs[name] = self._rank_ref(m, name, shards)
+        load_blob = self._blob_loader(m)
         trees: dict[str, Any] = {}
+        if load == "model":  # per-rank RNG/data state is not restored for a model-only load
+            trees["model"] = unflatten_state(
+                *await self._codec.read(self.store, refs["model"], load_blob))
+            return m, trees, {}
         for name, ref in refs.items():
-            skeleton, tensors = await self._codec.read(self.store, ref)
+            skeleton, tensors = await self._codec.read(self.store, ref, load_blob)
             trees[name] = unflatten_state(skeleton, tensors)
         rng_key = self._rank_ref(m, "rng", m.rng.keys).key
         try:
@@ -574,6 +630,53 @@ class CheckpointManager:
         except ValueError as err:
             raise InvalidFormat(f"{rng_key}: not valid JSON ({err})") from None
         return m, trees, rng_doc
+
+    def _check_world_size(self, m: VersionManifest, load: str) -> None:
+        """Refuse a restore across world sizes unless it is the full model of rank 0."""
+        if m.world_size == self.world_size:
+            return
+        sharded = "model" in m.extra
+        if load == "model" and not sharded:
+            return
+        possible = (f"restore with {m.world_size} rank(s) for an exact resume (model, optimizer "
+                    "shards, RNG and data state)")
+        if not sharded:
+            possible += ("; or restore(..., load='model') to load the full model written by "
+                         "rank 0 on every rank and start the optimizer afresh")
+        else:
+            possible += "; its model is sharded per rank, so no model-only load either"
+        raise DistributedError(
+            f"{m.version_id} was saved by {m.world_size} rank(s) but this job has "
+            f"{self.world_size} (rank {self.rank}); resharding is not supported. Possible: "
+            f"{possible}")
+
+    def _blob_loader(self, m: VersionManifest) -> Callable[[BaseRef], Any]:
+        """Resolve delta bases and referenced tensors, verifying every link of the chain."""
+        cache: dict[str, dict[str, Any]] = {}
+
+        async def load(base: BaseRef) -> dict[str, Any]:
+            if base.key in cache:
+                return cache[base.key]
+            try:
+                holder = await self.catalog.read_manifest(
+                    self.layout.manifest_key(version_number(base.version_id)))
+            except KeyNotFound:
+                raise MissingPrevious(f"{m.version_id} needs {base.key} from version "
+                                      f"{base.version_id}, which is gone") from None
+            ref = next((b for b in holder.blobs() if b.key == base.key), None)
+            if ref is None or ref.xxh64 != base.xxh64:
+                raise MissingPrevious(f"{m.version_id} needs {base.key} (xxh64 {base.xxh64}) "
+                                      f"but version {base.version_id} holds "
+                                      f"{'no such blob' if ref is None else ref.xxh64}")
+            try:
+                _, tensors = await self._codec.read(self.store, ref, load)
+            except KeyNotFound:
+                raise MissingPrevious(f"{m.version_id} needs {base.key} from version "
+                                      f"{base.version_id}, whose blob is gone") from None
+            cache[base.key] = tensors
+            return tensors
+
+        return load
 
     def _rank_ref(self, m: VersionManifest, what: str, refs: Sequence[R]) -> R:
         """This rank's entry of a per-rank list, or a clear error about the world size."""
@@ -600,5 +703,7 @@ class CheckpointManager:
                 obj.set_state(rng_doc["states"][name])
         if load == "all":
             restore_rng(rng_doc["rng"])
+        for chain in self._chains.values():
+            chain.reset()  # the live state no longer matches the staged base
         if self._steps is not None:
             self._steps.add(m.step)

@@ -64,7 +64,10 @@ class BlobRef(_Keyed):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     format: Literal["mckp", "safetensors", "json", "toml"] = "mckp"
     raw_bytes: int = Field(default=0, ge=0, le=1 << 50)
+    #: the blob this one is XOR-delta encoded against (None for a keyframe)
     base: BaseRef | None = None
+    #: blobs holding full copies of tensors this blob only references (unchanged tensors)
+    refs: list[BaseRef] = Field(default_factory=list)
 
 
 class ShardRef(BlobRef):

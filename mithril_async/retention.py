@@ -58,8 +58,11 @@ def _metric(v: VersionManifest, name: str) -> float | None:
 
 
 def dependencies(v: VersionManifest) -> set[str]:
-    """Version ids whose blobs ``v`` needs (delta bases)."""
-    return {b.base.version_id for b in v.blobs() if b.base is not None}
+    """Version ids whose blobs ``v`` needs (delta bases and holders of referenced tensors)."""
+    out = {b.base.version_id for b in v.blobs() if b.base is not None}
+    out |= {r.version_id for b in v.blobs() for r in b.refs}
+    out.discard(v.version_id)
+    return out
 
 
 def plan_retention(
@@ -67,7 +70,7 @@ def plan_retention(
     policies: Iterable[Policy],
     protected: Iterable[str] = (),
 ) -> tuple[set[str], list[str]]:
-    """Return (kept ids, ids to delete oldest first).
+    """Return (kept ids, ids to delete newest first).
 
     With no policies everything is kept. Protected ids (alias targets, the newest version)
     and the transitive delta bases of every kept version are always kept.
@@ -90,5 +93,7 @@ def plan_retention(
             if dep not in keep:
                 keep.add(dep)
                 frontier.append(dep)
-    delete = [v.version_id for v in ordered if v.version_id not in keep]
+    # newest first: a deletion killed half-way never leaves a visible version whose delta
+    # base (always older) is already gone
+    delete = [v.version_id for v in reversed(ordered) if v.version_id not in keep]
     return keep, delete

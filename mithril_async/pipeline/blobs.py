@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,12 +29,50 @@ from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
 from mithril_async.codec.state_dict import decompress_state_dict, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig
-from mithril_async.errors import ChecksumMismatch, InvalidFormat
-from mithril_async.manifest import BlobRef
+from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
+from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.storage.base import BlobWriter, Store
 
 SKELETON_KEY = "mithril.skeleton"
 ITEM_KEY = "mithril.item"
+REFS_KEY = "mithril.refs"
+
+U8 = np.ndarray[Any, np.dtype[np.uint8]]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a full copy of a tensor lives: tensor ``name`` inside blob ``holder``."""
+
+    holder: BaseRef
+    name: str
+    xxh64: int  # of the tensor's raw bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version_id": self.holder.version_id, "key": self.holder.key,
+                "blob_xxh64": self.holder.xxh64, "name": self.name,
+                "xxh64": f"{self.xxh64:016x}"}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> TensorRef:
+        try:
+            return cls(BaseRef(version_id=d["version_id"], key=d["key"], xxh64=d["blob_xxh64"]),
+                       str(d["name"]), int(d["xxh64"], 16))
+        except (KeyError, TypeError, ValueError) as err:
+            raise InvalidFormat(f"{where}: malformed tensor reference ({err})") from None
+
+
+@dataclass
+class EncodePlan:
+    """How to encode one item: which tensors are deltas against ``base``, which are refs."""
+
+    base: BaseRef | None = None
+    base_views: dict[str, U8] = field(default_factory=dict)
+    refs: dict[str, TensorRef] = field(default_factory=dict)
+
+
+#: resolves a blob (by BaseRef) to its decoded tensors; supplied by the manager
+LoadBlob = Callable[[BaseRef], Awaitable[dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -44,6 +82,8 @@ class StagedItem:
     name: str
     skeleton: Any
     tensors: dict[str, torch.Tensor]
+    #: which of the item's staging buffer sets holds ``tensors`` (double-buffered chains)
+    area_idx: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -82,11 +122,13 @@ class BlobCodec:
         return {"format": "mckp", **self.params.to_dict()}
 
     # ------------------------------------------------------------------ write
-    async def write(self, store: Store, key: str, item: StagedItem, *, step: int) -> BlobRef:
+    async def write(self, store: Store, key: str, item: StagedItem, *, step: int,
+                    plan: EncodePlan | None = None) -> BlobRef:
+        plan = plan or EncodePlan()
         writer = store.open_writer(key)
         try:
             if self.comp.enabled:
-                digest = await self._write_mckp(writer, item, step)
+                digest = await self._write_mckp(writer, item, step, plan)
                 fmt = "mckp"
             else:
                 digest = await self._write_safetensors(writer, item)
@@ -95,12 +137,17 @@ class BlobCodec:
         except BaseException:
             await asyncio.shield(writer.abort())
             raise
+        holders = {(r.holder.key, r.holder.xxh64): r.holder for r in plan.refs.values()}
         return BlobRef(key=key, bytes=size, xxh64=digest, format=fmt,
-                       raw_bytes=item.nbytes)
+                       raw_bytes=item.nbytes, base=plan.base if plan.base_views else None,
+                       refs=sorted(holders.values(), key=lambda b: b.key))
 
-    def _metadata(self, item: StagedItem) -> dict[str, str]:
-        return {SKELETON_KEY: json.dumps(item.skeleton, separators=(",", ":")),
-                ITEM_KEY: item.name}
+    def _metadata(self, item: StagedItem, plan: EncodePlan | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {SKELETON_KEY: json.dumps(item.skeleton, separators=(",", ":")),
+                                ITEM_KEY: item.name}
+        if plan is not None and plan.refs:
+            meta[REFS_KEY] = {name: r.to_json() for name, r in plan.refs.items()}
+        return meta
 
     async def _write_safetensors(self, writer: BlobWriter, item: StagedItem) -> str:
         h = xxhash.xxh64()
@@ -117,20 +164,29 @@ class BlobCodec:
                 await writer.write(piece)
         return h.hexdigest()
 
-    async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int) -> str:
-        views: list[np.ndarray[Any, Any]] = []
+    async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int,
+                          plan: EncodePlan) -> str:
+        views: list[U8] = []
+        bases: list[U8 | None] = []
         entries: list[TensorEntry] = []
         jobs: list[tuple[int, int, int, int]] = []
-        for ti, (name, t) in enumerate(item.tensors.items()):
+        for name, t in item.tensors.items():
+            if name in plan.refs:
+                continue
+            ti = len(entries)
             view, dtype_name, shape = tensor_bytes(t, where=name)
-            entry = TensorEntry.make(name, dtype_name, shape, self.params.chunk_bytes)
+            base = plan.base_views.get(name)
+            base_hash = None if base is None else xxhash.xxh64_intdigest(base.data)
+            entry = TensorEntry.make(name, dtype_name, shape, self.params.chunk_bytes, base_hash)
             views.append(view)
+            bases.append(base)
             entries.append(entry)
             jobs.extend((ti, ci, off, n) for ci, (off, n) in enumerate(entry.chunks))
         mckp = MckpWriter(entries, params=self.params, training_step=step,
-                          metadata=self._metadata(item))
+                          previous_checkpoint_hash=plan.base.xxh64 if plan.base_views and
+                          plan.base else None, metadata=self._metadata(item, plan))
         await writer.write(mckp.begin())
-        await self._run_chunks(jobs, views, entries, lambda ti, ci, enc: writer.write(
+        await self._run_chunks(jobs, views, bases, entries, lambda ti, ci, enc: writer.write(
             mckp.add(ti, ci, enc)))
         await writer.write(mckp.finish())
         return f"{mckp.xxh64:016x}"
@@ -138,7 +194,8 @@ class BlobCodec:
     async def _run_chunks(
         self,
         jobs: list[tuple[int, int, int, int]],
-        views: list[np.ndarray[Any, Any]],
+        views: list[U8],
+        bases: list[U8 | None],
         entries: list[TensorEntry],
         sink: Callable[[int, int, EncodedChunk], Awaitable[None]],
     ) -> None:
@@ -149,7 +206,10 @@ class BlobCodec:
 
         def encode(ti: int, ci: int, off: int, n: int) -> tuple[int, int, int, EncodedChunk]:
             src = views[ti][off:off + n]
-            return ti, ci, n, encode_chunk(src, entries[ti].dtype, None, self.params)
+            base = bases[ti]
+            return ti, ci, n, encode_chunk(src, entries[ti].dtype,
+                                           None if base is None else base[off:off + n],
+                                           self.params)
 
         async def drain_one() -> None:
             nonlocal pending
@@ -172,8 +232,12 @@ class BlobCodec:
                 fut.cancel()
 
     # ------------------------------------------------------------------ read
-    async def read(self, store: Store, ref: BlobRef) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Fetch, verify and decode one blob; return (skeleton, tensors)."""
+    async def read(self, store: Store, ref: BlobRef, load_blob: LoadBlob | None = None
+                   ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Fetch, verify and decode one blob; return (skeleton, tensors).
+
+        Delta bases and referenced tensors are fetched through ``load_blob``.
+        """
         data = await store.get(ref.key)
         loop = asyncio.get_running_loop()
         if len(data) != ref.bytes:
@@ -183,14 +247,33 @@ class BlobCodec:
             raise ChecksumMismatch(ref.key, ref.xxh64, digest)
         if ref.format == "safetensors":
             return await loop.run_in_executor(self.pool, _decode_safetensors, data, ref.key)
-        return await loop.run_in_executor(None, self._decode_mckp, data, ref.key)
-
-    def _decode_mckp(self, data: bytes, where: str) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Decode a verified MCKP blob with the codec's threads (chunks in parallel)."""
-        metadata = read_info(data, verify=False).metadata
+        info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
+        previous: dict[str, torch.Tensor] | None = None
+        if any(t.base_xxh64 is not None for t in info.tensors):
+            if ref.base is None or load_blob is None:
+                raise MissingPrevious(f"{ref.key} is a delta but names no base it can be "
+                                      "decoded against")
+            previous = await load_blob(ref.base)
         threads = getattr(self.pool, "_max_workers", None)
-        tensors = decompress_state_dict(data, threads=threads, verify=False)
-        return _skeleton(metadata, where), tensors
+        tensors = await loop.run_in_executor(None, lambda: decompress_state_dict(
+            data, previous=previous, threads=threads, verify=False))
+        refs = info.metadata.get(REFS_KEY, {})
+        if not isinstance(refs, dict):
+            raise InvalidFormat(f"{ref.key}: malformed tensor references")
+        for name, raw in refs.items():
+            tref = TensorRef.from_json(raw, ref.key)
+            if load_blob is None:
+                raise MissingPrevious(f"{ref.key}: tensor {name!r} lives in {tref.holder.key}")
+            holder = await load_blob(tref.holder)
+            if tref.name not in holder:
+                raise MissingPrevious(f"{ref.key}: tensor {name!r} is not in {tref.holder.key}")
+            t = holder[tref.name]
+            got = xxhash.xxh64_intdigest(tensor_bytes(t, where=name)[0].data)
+            if got != tref.xxh64:
+                raise ChecksumMismatch(f"{ref.key}: referenced tensor {name!r} in "
+                                       f"{tref.holder.key}", tref.xxh64, got)
+            tensors[name] = t
+        return _skeleton(info.metadata, ref.key), tensors
 
 
 def _skeleton(metadata: dict[str, Any], where: str) -> Any:

@@ -53,6 +53,11 @@ class StagingArea:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The staged tensors by name (read-only use: they are reused by the next snapshot)."""
+        return self._buffers
+
     def release(self) -> None:
         self._buffers.clear()
 

@@ -1,0 +1,126 @@
+"""Delta chains and deduplication across versions, as the manager encodes them.
+
+Policy (measured in benchmarks/bench_delta.py): each version is XOR-encoded against the
+previous committed version, with a full keyframe every ``keyframe_interval`` versions, so a
+restore reads at most ``keyframe_interval`` blobs of the chain. The base is kept in host memory
+by double-buffering the staging area: one buffer set holds the last committed snapshot (the
+base), the other receives the next snapshot; after a commit they swap. This costs one extra copy
+of the state in host memory and no I/O; a failed save leaves the base untouched.
+
+Tensors bitwise unchanged since the previous version (frozen layers, embeddings, LoRA bases)
+are not stored again: the blob references the blob holding their last full copy (verified by
+xxh64 of the tensor's raw bytes at restore), in keyframes and deltas alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from mithril_async.codec.dtypes import tensor_bytes
+from mithril_async.manifest import BaseRef, BlobRef
+from mithril_async.pipeline.blobs import EncodePlan, TensorRef
+from mithril_async.pipeline.stager import StagingArea
+
+
+@dataclass(frozen=True)
+class ChainPolicy:
+    delta: bool = False
+    dedup: bool = False
+    keyframe_interval: int = 8
+
+    @property
+    def double_buffer(self) -> bool:
+        return self.delta or self.dedup
+
+
+@dataclass
+class ItemChain:
+    """One state item's chain: staging buffers and what the last committed version holds."""
+
+    policy: ChainPolicy
+    areas: list[StagingArea] = field(default_factory=list)
+    base_idx: int | None = None
+    base_blob: BaseRef | None = None
+    #: blobs a restore of the base reads along its chain (1 = the base is a keyframe)
+    chain_len: int = 0
+    #: tensors of the base with a full copy somewhere (dedup targets)
+    phys: dict[str, TensorRef] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.areas:
+            self.areas = [StagingArea() for _ in range(2 if self.policy.double_buffer else 1)]
+
+    @property
+    def write_idx(self) -> int:
+        """The buffer set the next snapshot goes into (never the base's)."""
+        if len(self.areas) == 1 or self.base_idx is None:
+            return 0
+        return 1 - self.base_idx
+
+    def reset(self) -> None:
+        """Forget the base (after a restore): the next version is a keyframe."""
+        self.base_idx, self.base_blob, self.chain_len = None, None, 0
+        self.phys = {}
+
+    def release(self) -> None:
+        for a in self.areas:
+            a.release()
+
+
+def _raw(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return tensor_bytes(t)[0]
+
+
+def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
+              ) -> tuple[EncodePlan, dict[str, int]]:
+    """Decide per tensor: reference (unchanged), XOR delta against the base, or full.
+
+    Returns the plan and the raw xxh64 of every tensor stored in full (for later dedup).
+    Runs on a worker thread: bytewise comparisons and hashes are memory-bound C loops.
+    """
+    plan = EncodePlan()
+    hashes: dict[str, int] = {}
+    base: dict[str, torch.Tensor] = {}
+    if chain.base_idx is not None:
+        base = chain.areas[chain.base_idx].buffers
+    pol = chain.policy
+    keyframe = (not pol.delta or chain.base_blob is None
+                or chain.chain_len >= pol.keyframe_interval)
+    for name, t in tensors.items():
+        b = base.get(name)
+        same_layout = b is not None and b.dtype == t.dtype and b.shape == t.shape
+        raw = _raw(t)
+        if same_layout and b is not None:
+            braw = _raw(b)
+            if pol.dedup and name in chain.phys and np.array_equal(raw, braw):
+                plan.refs[name] = chain.phys[name]
+                continue
+            if not keyframe and raw.size:
+                plan.base_views[name] = braw
+                continue
+        if pol.dedup:
+            hashes[name] = xxhash.xxh64_intdigest(raw.data)
+    if plan.base_views:
+        plan.base = chain.base_blob
+    return plan, hashes
+
+
+def commit_item(chain: ItemChain, written_idx: int, version_id: str, ref: BlobRef,
+                plan: EncodePlan, hashes: dict[str, int], names: list[str]) -> None:
+    """Make the just-committed snapshot the base of the next version."""
+    holder = BaseRef(version_id=version_id, key=ref.key, xxh64=ref.xxh64)
+    phys: dict[str, TensorRef] = {}
+    for name in names:
+        if name in plan.refs:
+            phys[name] = plan.refs[name]
+        elif name in hashes:
+            phys[name] = TensorRef(holder, name, hashes[name])
+    chain.phys = phys
+    chain.chain_len = chain.chain_len + 1 if plan.base_views else 1
+    chain.base_blob = holder
+    chain.base_idx = written_idx if len(chain.areas) > 1 else None
