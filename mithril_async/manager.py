@@ -29,6 +29,7 @@ import xxhash
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.delta.chain import ChainPolicy, ItemChain, commit_item, plan_item
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ChecksumMismatch,
@@ -58,7 +59,6 @@ from mithril_async.manifest import (
     version_id,
     version_number,
 )
-from mithril_async.delta.chain import ChainPolicy, ItemChain, commit_item, plan_item
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop

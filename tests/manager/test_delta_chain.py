@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, MissingPrevious
 from mithril_async.codec import read_info
