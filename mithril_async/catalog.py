@@ -112,7 +112,8 @@ class RunCatalog:
                 n += 1
         raise RuntimeError("could not claim a version number after 1000 attempts")
 
-    async def clean_unfinished(self, *, stale_after_s: float = STALE_CLAIM_S) -> list[str]:
+    async def clean_unfinished(self, *, stale_after_s: float = STALE_CLAIM_S,
+                               orphan_age_s: float = 600.0) -> list[str]:
         """Remove version folders without a manifest whose writer is gone; return them."""
         removed = []
         nums = await self.version_numbers()
@@ -124,7 +125,7 @@ class RunCatalog:
             for key in await self.store.list(self.layout.version_dir(n) + "/"):
                 await self.store.delete(key)
             removed.append(self.layout.version_dir(n))
-        await self.store.cleanup_incomplete(self.layout.root + "/")
+        await self.store.cleanup_incomplete(self.layout.root + "/", orphan_age_s)
         return removed
 
     async def _claim_is_stale(self, n: int, stale_after_s: float) -> bool:

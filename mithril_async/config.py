@@ -39,6 +39,9 @@ class PipelineConfig(_Strict):
 
     max_inflight_mib: int = Field(256, ge=8, description="encoded bytes in flight per save")
     on_busy: Literal["wait", "skip", "error"] = "wait"
+    #: temp files / multipart uploads older than this are a killed writer's, removed at start
+    #: (younger ones may belong to another live writer of the same run and are left alone)
+    orphan_age_s: float = Field(600.0, ge=0)
 
 
 class RemoteConfig(_Strict):

@@ -73,8 +73,10 @@ from mithril_async.state import (
     restore_rng,
     unflatten_state,
 )
+from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
+from mithril_async.storage.mirror import MirrorStore
 
 log = logging.getLogger("mithril_async")
 R = TypeVar("R")
@@ -88,6 +90,22 @@ def _open_local(cfg: CheckpointingConfig) -> tuple[Store, str]:
     runs = Path(cfg.runs_path).expanduser().absolute()
     runs.mkdir(parents=True, exist_ok=True)
     return LocalStore(runs.parent), runs.name
+
+
+def open_run_store(cfg: CheckpointingConfig) -> tuple[Store, str]:
+    """The store a config asks for, and the runs folder's key prefix.
+
+    No ``[checkpointing.remote]``: local disk. ``mode = "mirror"``: local disk and the bucket
+    (:class:`MirrorStore`). ``mode = "remote_only"``: the bucket alone. Keys are the same
+    everywhere: ``<runs folder name>/<run_id>/...`` (under the bucket prefix on S3).
+    """
+    if cfg.remote is None:
+        return _open_local(cfg)
+    remote = open_store(cfg.remote)
+    if cfg.remote.mode == "remote_only":
+        return remote, Path(cfg.runs_path).name or "runs"
+    local, prefix = _open_local(cfg)
+    return MirrorStore(local, remote), prefix
 
 
 class CheckpointManager:
@@ -126,7 +144,7 @@ class CheckpointManager:
         #: each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole model
         self.sharded_model = sharded_model
         if store is None:
-            store, prefix = _open_local(self.cfg)
+            store, prefix = open_run_store(self.cfg)
             runs_prefix = runs_prefix or prefix
         self.store: Store = store
         self.run_id = self.cfg.run_id or new_run_id()
@@ -170,7 +188,8 @@ class CheckpointManager:
         # Only rank 0 cleans and creates aliases. No barrier is needed: other ranks write only
         # into versions that rank 0 claimed, and it claims only after this start has finished.
         if self.rank == 0:
-            removed = await self.catalog.clean_unfinished()
+            removed = await self.catalog.clean_unfinished(
+            orphan_age_s=self.cfg.pipeline.orphan_age_s)
             if removed:
                 log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
             await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
@@ -415,7 +434,7 @@ class CheckpointManager:
         """Rank 0, after the manifest is durable: aliases, run manifest, retention."""
         await self.catalog.move_latest(manifest, key)
         await self.catalog.move_best(manifest, key, self.cfg.best_metric_name, self.cfg.best_mode)
-        await self.catalog.update_run_manifest(self._root_local(), None)
+        await self.catalog.update_run_manifest(self._root_local(), self._root_remote())
         try:
             await self._apply_retention()
         except Exception as err:  # the version is committed; leftovers are cleaned at start
@@ -477,7 +496,8 @@ class CheckpointManager:
         return VersionManifest(
             run_id=self.run_id, version_id=version_id(number), created_at=utcnow(),
             step=res.step, world_size=self.world_size,
-            paths={"root_local": self._root_local()},
+            paths={"root_local": self._root_local(),
+                   "root_remote": self._root_remote()},
             config=await self._write_config(), model=BlobRef(**model.model_dump(
                 exclude={"rank"})), optimizer=optimizer,
             rng=RngEntry(per_rank=True, keys=[RankKey(rank=p.rank, key=p.rng_key or "")
@@ -509,6 +529,10 @@ class CheckpointManager:
                 await self.store.delete(key)
         except Exception as err:  # the next start cleans what remains
             log.warning("could not clean aborted version %s: %r", version_id(number), err)
+
+    def _root_remote(self) -> str | None:
+        r = self.cfg.remote
+        return None if r is None else f"s3://{r.bucket}/{r.prefix}".rstrip("/")
 
     def _root_local(self) -> str | None:
         root = getattr(self.store, "root", None)
@@ -542,7 +566,7 @@ class CheckpointManager:
                 self._steps.discard(next(v.step for v in versions if v.version_id == vid))
         if delete:
             log.info("retention deleted %s", ", ".join(delete))
-            await self.catalog.update_run_manifest(self._root_local(), None)
+            await self.catalog.update_run_manifest(self._root_local(), self._root_remote())
         return delete
 
     async def wait_until_finished(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -281,11 +282,16 @@ def test_unfinished_save_leftovers_ignored_and_cleaned(make_config: ConfigFactor
     vdir.mkdir()
     (vdir / "_claim.json").write_text(json.dumps({"host": "elsewhere", "pid": 1, "t": 0}))
     (vdir / "model.mckp").write_bytes(b"partial")
-    (vdir.parent / "v000001" / ".tmp-model.mckp.abc").write_bytes(b"temp")
+    tmp_file = vdir.parent / "v000001" / ".tmp-model.mckp.abc"
+    tmp_file.write_bytes(b"temp")
+    os.utime(tmp_file, (time.time() - 3600, time.time() - 3600))  # a writer killed long ago
+    young = vdir.parent / "v000001" / ".tmp-other-writer"
+    young.write_bytes(b"another live writer")
     with CheckpointManager(cfg, {"model": model}) as m:
         assert m.all_steps() == [1]
         assert not vdir.exists()
-        assert not (vdir.parent / "v000001" / ".tmp-model.mckp.abc").exists()
+        assert not tmp_file.exists()
+        assert young.exists()  # may belong to a live writer: left alone
         m.save_nowait(2).result()
         assert m.all_steps() == [1, 2]
 
