@@ -1,0 +1,138 @@
+"""Delta chains: bytes stored per version (full vs ours vs naive XOR) and restore cost.
+
+On real trajectories from benchmarks/make_trajectory.py (pre-training-like lr 1e-3 and
+fine-tuning-like lr 1e-5, fp32 and bf16, weights + AdamW moments of consecutive steps):
+
+* full: every version a keyframe (delta off), mean bytes per version after the first;
+* ours: ``delta = true, keyframe_interval = K`` through the CheckpointManager (XOR against the
+  previous version in the grouped/exponent-plane domain, zstd/Huffman per plane, dedup);
+* naive: XOR with the previous step + plain byte grouping + zstd-3 per tensor (the baseline
+  the issue names), mean bytes per version after the first;
+* restore: median wall time of ``restore_sync`` of the last version of a chain (reads K blobs)
+  divided by that of its keyframe.
+
+    python benchmarks/bench_delta.py [--steps 9] [--k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_trajectory import load_step, make_trajectory
+
+from mithril_async import CheckpointManager, parse_config
+from mithril_async.codec import kernels, tensor_bytes
+
+
+class Holder:
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, v in sd.items():
+            self.sd[k].copy_(v)
+
+
+def naive_bytes(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> int:
+    z = zstandard.ZstdCompressor(level=3)
+    total = 0
+    for k, t in cur.items():
+        a, b = tensor_bytes(t)[0], tensor_bytes(prev[k])[0]
+        w = t.element_size()
+        x = kernels.xor_group(a, b, w) if w > 1 else kernels.xor(a, b)
+        total += len(z.compress(x.tobytes()))
+    return total
+
+
+def split(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    w = {k: v for k, v in sd.items() if k.startswith("model.")}
+    o = {k: v for k, v in sd.items() if not k.startswith("model.")}
+    return w, o
+
+
+def run_manager(steps: list[dict[str, torch.Tensor]], root: Path, delta: bool, k: int
+                ) -> tuple[list[tuple[int, int]], float | None]:
+    """Save every step; return [(model bytes, optimizer bytes)] and restore(last)/restore(kf)."""
+    w0, o0 = split(steps[0])
+    w, o = Holder({n: t.clone() for n, t in w0.items()}), Holder(
+        {n: t.clone() for n, t in o0.items()})
+    cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "d"\n'
+                       f"[checkpointing.compression]\ndelta = {str(delta).lower()}\n"
+                       f"keyframe_interval = {k}\n")
+    sizes = []
+    with CheckpointManager(cfg, {"model": w, "optimizer": o}) as m:
+        for i, sd in enumerate(steps, 1):
+            ws, os_ = split(sd)
+            for n, t in ws.items():
+                w.sd[n].copy_(t)
+            for n, t in os_.items():
+                o.sd[n].copy_(t)
+            res = m.save_nowait(i).result()
+            assert res.status == "committed"
+        for i in range(1, len(steps) + 1):
+            man = json.loads((root / "runs" / "d" / "versions" / f"v{i:06d}" / "manifest.json")
+                             .read_text())
+            sizes.append((man["model"]["bytes"], man["optimizer"]["shards"][0]["bytes"]))
+        ratio = None
+        if delta:
+            last = min(len(steps), k)
+            times: dict[int, list[float]] = {1: [], last: []}
+            for _ in range(3):
+                for v in (1, last):
+                    t0 = time.perf_counter()
+                    m.restore_sync(v)
+                    times[v].append(time.perf_counter() - t0)
+            ratio = statistics.median(times[last]) / statistics.median(times[1])
+    return sizes, ratio
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--k", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    rows = ["| trajectory | part | raw MB | full MB/v | naive MB/v | ours MB/v | ours/naive | "
+            "ratio vs raw | restore K-th / keyframe |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory(prefix="bench-delta-") as tmp:
+        for label, lr in (("pretrain", 1e-3), ("finetune", 1e-5)):
+            for dtype in ("float32", "bfloat16"):
+                out = Path(tmp) / f"{label}-{dtype}"
+                paths = make_trajectory(out, steps=args.steps, lr=lr, dtype=dtype, seed=0)
+                steps = [load_step(p) for p in paths]
+                full, _ = run_manager(steps, out / "full", False, args.k)
+                ours, restore_ratio = run_manager(steps, out / "delta", True, args.k)
+                for part, idx in (("weights", 0), ("adam", 1)):
+                    raw = sum(t.numel() * t.element_size()
+                              for t in split(steps[0])[idx].values())
+                    naive = statistics.mean(
+                        naive_bytes(split(steps[i - 1])[idx], split(steps[i])[idx])
+                        for i in range(1, len(steps)))
+                    f = statistics.mean(s[idx] for s in full[1:])
+                    d = statistics.mean(s[idx] for s in ours[1:])
+                    rows.append(f"| {label} {dtype} | {part} | {raw / 1e6:.1f} | {f / 1e6:.2f} | "
+                                f"{naive / 1e6:.2f} | {d / 1e6:.2f} | {d / naive:.2f} | "
+                                f"{raw / d:.1f}x | "
+                                f"{restore_ratio:.2f} |")
+    print(f"steps per trajectory: {args.steps}, keyframe_interval: {args.k} "
+          "(means over versions 2..N; restore ratio over the whole version)")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
