@@ -1,0 +1,178 @@
+"""Lossy-delta benchmark: compression ratio vs loss gap of a run resumed from lossy checkpoints.
+
+What it does (deterministic, CPU, about a minute):
+1. Trains a small MLP with AdamW on synthetic teacher data for ``--steps`` steps, snapshotting
+   weights + AdamW state every ``--every`` steps (the uninterrupted baseline).
+2. For each lossy setting, feeds the snapshots through a :class:`LossyDeltaEncoder` (lossless
+   keyframe every ``keyframe_every`` checkpoints), decodes the chain up to the resume point,
+   loads it into a fresh model/optimizer, and trains to the same final step on the same batches.
+3. Prints, per setting: ratio of the delta checkpoints alone, ratio over the whole chain with
+   its keyframes, and the relative gap of the final held-out loss vs the baseline.
+
+Ratios are against the raw fp32 bytes of weights + exp_avg + exp_avg_sq (+ step counters).
+Usage: ``python benchmarks/bench_lossy.py [--steps 600 --every 25 --resume-at 9]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mithril_async.lossy.lossless import lossless_backend, lossless_state_size
+from mithril_async.lossy.lossy_delta import (
+    LossyCheckpoint,
+    LossyDeltaConfig,
+    LossyDeltaEncoder,
+    Role,
+    decode_chain,
+)
+from mithril_async.lossy.serial import checkpoint_from_bytes, checkpoint_to_bytes
+from mithril_async.lossy.training import adam_state, load_adam_state
+
+D_IN, HIDDEN, D_OUT, BATCH = 128, 512, 16, 128
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
+                         nn.Linear(HIDDEN, D_OUT))
+
+
+def _teacher() -> nn.Module:
+    gen = torch.Generator().manual_seed(1234)
+    t = nn.Sequential(nn.Linear(D_IN, 64), nn.Tanh(), nn.Linear(64, D_OUT))
+    with torch.no_grad():
+        for p in t.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return t
+
+
+TEACHER = _teacher()
+
+
+def batch(step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of a given step: the same on every run, so resumed runs see the same data."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    x = torch.randn(size, D_IN, generator=gen)
+    with torch.no_grad():
+        y = TEACHER(x).argmax(dim=1)
+    return x, y
+
+
+EVAL = batch(-1, 4096)
+
+
+def eval_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(EVAL[0]), EVAL[1]))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int,
+          every: int = 0, snaps: list[dict[str, torch.Tensor]] | None = None
+          ) -> dict[str, tuple[str, Role]]:
+    roles: dict[str, tuple[str, Role]] = {}
+    for step in range(start, stop):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if snaps is not None and every and (step + 1) % every == 0:
+            state, roles = adam_state(model, opt)
+            snaps.append(state)
+    return roles
+
+
+@dataclass
+class Result:
+    label: str
+    delta_ratio: float
+    chain_ratio: float
+    loss: float
+    gap: float
+
+
+def run_setting(label: str, cfg: LossyDeltaConfig, snaps: list[dict[str, torch.Tensor]],
+                roles: dict[str, tuple[str, Role]], resume_at: int, every: int, steps: int,
+                base_loss: float) -> Result:
+    enc = LossyDeltaEncoder(cfg)
+    chain: list[LossyCheckpoint] = [enc.encode(s, roles) for s in snaps]
+    sizes = [len(checkpoint_to_bytes(c)) for c in chain]  # real serialized bytes (MLDC v1)
+    assert checkpoint_from_bytes(checkpoint_to_bytes(chain[-1])).index == chain[-1].index
+    d_raw = sum(c.raw_bytes for c in chain if not c.keyframe)
+    delta_ratio = d_raw / max(1, sum(s for c, s in zip(chain, sizes, strict=True)
+                                     if not c.keyframe))
+    chain_ratio = sum(c.raw_bytes for c in chain) / sum(sizes)
+    start = max(i for i in range(resume_at + 1) if chain[i].keyframe)
+    state = decode_chain(chain[start : resume_at + 1], roles)
+    model = make_model()
+    opt = make_optimizer(model)
+    train(model, opt, 0, 1)  # materialise AdamW state tensors, then overwrite them all
+    load_adam_state(model, opt, state)
+    train(model, opt, (resume_at + 1) * every, steps)
+    loss = eval_loss(model)
+    return Result(label, delta_ratio, chain_ratio, loss, (loss - base_loss) / base_loss)
+
+
+SETTINGS: list[tuple[str, LossyDeltaConfig]] = [
+    ("d=0.10 b=4", LossyDeltaConfig(density=0.10, bits=4)),
+    ("d=0.05 b=4", LossyDeltaConfig(density=0.05, bits=4)),
+    ("d=0.03 b=4", LossyDeltaConfig(density=0.03, bits=4)),
+    ("d=0.01 b=4", LossyDeltaConfig(density=0.01, bits=4)),
+    ("d=0.01 v=0.005 b=3", LossyDeltaConfig(density=0.01, v_density=0.005, bits=3)),
+    ("d=0.05 b=4 nofisher", LossyDeltaConfig(density=0.05, bits=4, fisher_weighted=False)),
+    ("d=0.05 b=4 nojoint", LossyDeltaConfig(density=0.05, bits=4, joint=False)),
+    ("d=0.05 v=0.01 b=4", LossyDeltaConfig(density=0.05, v_density=0.01, bits=4)),
+    ("d=0.03 v=0.01 b=3", LossyDeltaConfig(density=0.03, v_density=0.01, bits=3)),
+    ("d=0.05 b=4 linear-v", LossyDeltaConfig(density=0.05, bits=4, v_log=False)),
+    ("d=0.05 b=4 kf=once", LossyDeltaConfig(density=0.05, bits=4, keyframe_every=10**6)),
+    ("d=0.03 v=0.01 kf=once", LossyDeltaConfig(density=0.03, v_density=0.01, bits=3,
+                                               keyframe_every=10**6)),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--resume-at", type=int, default=9, help="checkpoint index to resume from")
+    ap.add_argument("--keyframe-every", type=int, default=None,
+                    help="override every setting's keyframe interval (default 10)")
+    ap.add_argument("--quick", action="store_true", help="only the first three settings")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model = make_model()
+    opt = make_optimizer(model)
+    snaps: list[dict[str, torch.Tensor]] = []
+    roles = train(model, opt, 0, args.steps, args.every, snaps)
+    base = eval_loss(model)
+    raw = sum(t.numel() * t.element_size() for t in snaps[-1].values())
+    lossless = raw / lossless_state_size(snaps[-1])
+    xor_delta = raw / lossless_state_size(snaps[-1], previous=snaps[-2])
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"MLP {n_params} params, {len(snaps)} checkpoints every {args.every} steps, "
+          f"resume from checkpoint {args.resume_at} (step {(args.resume_at + 1) * args.every}) "
+          f"to step {args.steps}; baseline final loss {base:.4f}; lossless keyframe ratio "
+          f"{lossless:.2f}x (lossless XOR delta {xor_delta:.2f}x) [{lossless_backend()}]; "
+          f"baseline {time.perf_counter() - t0:.1f}s")
+    print(f"{'setting':22} {'delta x':>8} {'chain x':>8} {'loss':>8} {'gap %':>7}")
+    settings = SETTINGS[:3] if args.quick else SETTINGS
+    for label, cfg in settings:
+        if args.keyframe_every is not None:
+            cfg = LossyDeltaConfig(**{**cfg.__dict__, "keyframe_every": args.keyframe_every})
+        r = run_setting(label, cfg, snaps, roles, args.resume_at, args.every, args.steps, base)
+        print(f"{r.label:22} {r.delta_ratio:8.1f} {r.chain_ratio:8.1f} {r.loss:8.4f} "
+              f"{100 * r.gap:+7.2f}")
+    print(f"total {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
