@@ -11,6 +11,7 @@ manager restores ``latest`` into a fresh model and the demo checks the weights a
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             opt.step()
             losses[step] = loss.item()
+            if sys.stdout.isatty():  # a live progress bar; the save table prints below it
+                done = int(30 * step / args.steps)
+                print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} "
+                      f"loss {losses[step]:.4f}", end="\r" if step < args.steps else "\n",
+                      flush=True)
             if manager.should_save(step):
                 manager.save_nowait(step, metrics={"val_loss": losses[step]})
         manager.wait()

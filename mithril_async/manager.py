@@ -194,6 +194,10 @@ class CheckpointManager:
                 log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
             await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
                                                    self.cfg.best_mode)
+            # a writer killed between its manifest and its alias moves: finish them now
+            if await self.catalog.repair_aliases(self.cfg.best_metric_name, self.cfg.best_mode):
+                log.warning("moved aliases to committed versions a killed writer left behind")
+                await self.catalog.update_run_manifest(self._root_local(), self._root_remote())
         self._steps = {m.step for m in await self.catalog.versions()}
 
     def _bg(self, coro: Any) -> Any:
@@ -280,6 +284,7 @@ class CheckpointManager:
         waited = 0.0
         if fut is not None and not fut.done():
             if self.cfg.pipeline.on_busy == "wait":
+                log.info("save of step %d waits for the previous save (on_busy=wait)", step)
                 await asyncio.wrap_future(fut)
                 waited = time.perf_counter() - t0
             else:
@@ -301,6 +306,7 @@ class CheckpointManager:
         waited = 0.0
         if fut is not None and not fut.done():
             if self.cfg.pipeline.on_busy == "wait":
+                log.info("save of step %d waits for the previous save (on_busy=wait)", step)
                 concurrent.futures.wait([fut])
                 waited = time.perf_counter() - t0
             else:
