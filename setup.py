@@ -1,5 +1,8 @@
-"""Build hook: compiles the native kernels (cffi API mode); all metadata is in pyproject.toml."""
+"""Build hook: compiles the native kernels and the rANS plane coder (cffi API mode).
+
+All package metadata lives in pyproject.toml.
+"""
 
 from setuptools import setup
 
-setup(cffi_modules=["native/build_kernels.py:ffibuilder"])
+setup(cffi_modules=["native/build_kernels.py:ffibuilder", "native/build_rans.py:ffibuilder"])

@@ -1,0 +1,288 @@
+"""Encode/decode one chunk of one tensor: optional XOR delta, byte transform, plane coding.
+
+A chunk is a contiguous, element-aligned byte range of a tensor (a few MiB, so big tensors
+spread over the thread pool).  Encoding is::
+
+    raw bytes --(XOR base)--> --(group | exponent planes)--> planes --(per-plane coder)--> payload
+
+Both directions are synchronous, thread-safe and spend their time in C (the byte kernels,
+zlib/zstd, xxhash), so the manager can run many chunks on a thread pool.  The chunk carries an
+xxhash64 of its raw bytes (verified after decoding: wrong data is never returned) and of its
+stored payload (verified before decoding: corruption is reported before any decoder runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from mithril_async.codec import kernels as K
+from mithril_async.codec.dtypes import dtype_info
+from mithril_async.codec.entropy import decode_plane, encode_plane
+from mithril_async.errors import ChecksumMismatch, ConfigError, InvalidFormat, ShapeMismatch
+
+__all__ = [
+    "DELTA_BIT",
+    "CodecParams",
+    "ChunkMeta",
+    "EncodedChunk",
+    "Transform",
+    "chunk_spans",
+    "decode_chunk",
+    "encode_chunk",
+    "plane_sizes",
+]
+
+U8 = np.ndarray[Any, np.dtype[np.uint8]]
+MiB = 1 << 20
+
+#: Set in ``ChunkMeta.transform`` when the chunk was XORed with a base before the transform.
+DELTA_BIT = 0x80
+
+
+class Transform(IntEnum):
+    """Byte transform of a chunk; the value is written into block headers (never renumber)."""
+
+    NONE = 0
+    GROUP = 1  # byte grouping, width = ChunkMeta.width
+    EXP_BF16 = 2  # exponent plane + sign/mantissa plane (ZipNN style)
+    EXP_FP32 = 3  # exponent plane + sign/7 mantissa bits + two low mantissa planes
+
+
+_EXP_KIND = {Transform.EXP_BF16: ("bf16", 2), Transform.EXP_FP32: ("fp32", 4)}
+
+
+@dataclass(frozen=True)
+class CodecParams:
+    """How tensors are encoded; recorded verbatim in blob headers and manifests.
+
+    ``level``: zstd level for planes coded with zstd.  ``byte_grouping``: group bytes of
+    multi-byte elements.  ``exponent_planes``: for bf16/fp32, split out the 8-bit exponent
+    (needs ``byte_grouping``).  ``chunk_bytes``: chunk size (the parallelism unit; rounded to
+    the element size).  ``entropy``: ``"auto"`` picks a coder per plane (see
+    :mod:`~mithril_async.codec.entropy`), ``"zstd"`` forces zstd (for comparisons).
+    ``raw_bits``/``huff_min_bits``: sampled entropy thresholds (bits/byte) above which a
+    float plane is stored raw / Huffman coded instead of zstd coded.
+    """
+
+    level: int = 3
+    byte_grouping: bool = True
+    exponent_planes: bool = True
+    chunk_bytes: int = 4 * MiB
+    entropy: str = "auto"
+    raw_bits: float = 7.9
+    huff_min_bits: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not -7 <= self.level <= 22:
+            raise ConfigError(f"level: zstd level {self.level} outside -7..22")
+        if not 1 <= self.chunk_bytes <= 1 << 30:
+            raise ConfigError(f"chunk_bytes: {self.chunk_bytes} outside 1..1 GiB")
+        if self.entropy not in ("auto", "zstd"):
+            raise ConfigError(f"entropy: {self.entropy!r} is not 'auto' or 'zstd'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for blob headers and manifests)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CodecParams:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Everything a block header records about an encoded chunk."""
+
+    transform: int  # Transform value | DELTA_BIT
+    width: int  # group width (1 for NONE)
+    raw_size: int
+    raw_xxh64: int
+    payload_xxh64: int
+    planes: tuple[tuple[int, int], ...]  # (PlaneMethod, stored length) per plane
+
+    @property
+    def stored_size(self) -> int:
+        return sum(s for _, s in self.planes)
+
+    @property
+    def is_delta(self) -> bool:
+        return bool(self.transform & DELTA_BIT)
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """An encoded chunk: its metadata and stored planes (``parts``, in plane order).
+
+    The planes stay separate buffers (raw planes are views of the transform's output) so the
+    container writes them out with a single copy; ``payload`` concatenates them.
+    """
+
+    meta: ChunkMeta
+    parts: tuple[Any, ...]
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+
+_tls = threading.local()
+
+
+def _scratch(name: str, n: int) -> U8:
+    """A per-thread reusable buffer of ``n`` bytes.
+
+    Fresh multi-MiB allocations cost page faults on first touch (about a memcpy's worth per
+    chunk); reusing one buffer per worker thread avoids that.
+    """
+    buf: U8 | None = getattr(_tls, name, None)
+    if buf is None or buf.size < n:
+        buf = np.empty(max(n, 1 << 20), np.uint8)
+        setattr(_tls, name, buf)
+    return buf[:n]
+
+
+def chunk_spans(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``[(offset, length), ...]`` covering ``nbytes``, each a multiple of ``itemsize`` long.
+
+    An empty tensor has no chunks.  The chunk size is rounded down to a whole number of
+    elements (at least one element).
+    """
+    if nbytes < 0 or itemsize < 1 or nbytes % itemsize:
+        raise ValueError(f"chunk_spans: {nbytes} bytes is not a whole number of {itemsize}-byte "
+                         "elements")
+    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
+
+
+def plane_sizes(transform: int, width: int, raw_size: int) -> list[int]:
+    """Raw sizes of the planes a transform splits ``raw_size`` bytes into (tail plane last)."""
+    t = transform & ~DELTA_BIT
+    w = 1 if t == Transform.NONE else width
+    n = raw_size // w
+    sizes = [n] * w
+    if raw_size - n * w:
+        sizes.append(raw_size - n * w)
+    return sizes
+
+
+def _choose(dtype_name: str, size: int, params: CodecParams) -> tuple[Transform, int, str]:
+    info = dtype_info(dtype_name)
+    mode = "zstd" if params.entropy == "zstd" or info.kind not in ("float", "complex") else "float"
+    if params.byte_grouping and params.exponent_planes and info.exp_kind and size >= 16:
+        return (Transform.EXP_BF16 if info.exp_kind == "bf16" else Transform.EXP_FP32,
+                info.itemsize, mode)
+    if params.byte_grouping and info.group_width > 1 and size >= 2 * info.group_width:
+        return Transform.GROUP, info.group_width, mode
+    return Transform.NONE, 1, mode
+
+
+_WIDTHS = {Transform.NONE: range(1, 2), Transform.GROUP: range(2, 17),
+           Transform.EXP_BF16: range(2, 3), Transform.EXP_FP32: range(4, 5)}
+
+
+def _check_transform(meta: ChunkMeta, where: str) -> Transform:
+    try:
+        transform = Transform(meta.transform & ~DELTA_BIT)
+    except ValueError:
+        raise InvalidFormat(f"{where}: unknown transform {meta.transform}") from None
+    if meta.transform & ~(DELTA_BIT | 0x7F):
+        raise InvalidFormat(f"{where}: unknown transform {meta.transform}")
+    if meta.width not in _WIDTHS[transform]:
+        raise InvalidFormat(f"{where}: width {meta.width} invalid for {transform.name}")
+    return transform
+
+
+def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> EncodedChunk:
+    """Encode the raw bytes ``src`` of one chunk (``base``: same-size bytes to XOR with)."""
+    raw_size = src.size
+    if base is not None and base.size != raw_size:
+        raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
+    raw_xxh = xxhash.xxh64_intdigest(src.data)
+    transform, width, mode = _choose(dtype_name, raw_size, params)
+    buf: U8
+    scratch = _scratch("enc", raw_size)
+    if transform == Transform.NONE:
+        buf = src if base is None else K.xor(src, base, out=scratch)
+    elif transform == Transform.GROUP:
+        buf = (K.group(src, width, out=scratch) if base is None
+               else K.xor_group(src, base, width, out=scratch))
+    else:
+        buf = K.exp_group(src, _EXP_KIND[transform][0], base, out=scratch)
+    parts: list[Any] = []
+    planes: list[tuple[int, int]] = []
+    off = 0
+    for n in plane_sizes(transform, width, raw_size):
+        method, data = encode_plane(buf[off:off + n], level=params.level, mode=mode,
+                                    raw_bits=params.raw_bits,
+                                    huff_min_bits=params.huff_min_bits)
+        if isinstance(data, np.ndarray) and buf is not src:
+            data = data.tobytes()  # a raw view of the scratch buffer: copy it out
+        parts.append(data)
+        planes.append((int(method), len(data)))
+        off += n
+    h = xxhash.xxh64()
+    for part in parts:
+        h.update(part)
+    meta = ChunkMeta(int(transform) | (DELTA_BIT if base is not None else 0), width, raw_size,
+                     raw_xxh, h.intdigest(), tuple(planes))
+    return EncodedChunk(meta, tuple(parts))
+
+
+def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, out: U8, *,
+                 where: str = "chunk", verify_payload: bool = True) -> None:
+    """Decode ``payload`` into ``out`` (``meta.raw_size`` writable bytes).
+
+    Verifies the payload hash first (unless the caller already did) and the raw hash last;
+    raises :class:`ChecksumMismatch`/:class:`InvalidFormat` naming ``where``.  A delta chunk
+    needs ``base`` (the same-size bytes it was XORed with).
+    """
+    mv = memoryview(payload).cast("B") if not isinstance(payload, memoryview) else payload
+    if out.size != meta.raw_size:
+        raise ShapeMismatch(f"{where}: output holds {out.size} bytes, chunk has {meta.raw_size}")
+    if len(mv) != meta.stored_size:
+        raise InvalidFormat(f"{where}: payload of {len(mv)} bytes, header says {meta.stored_size}")
+    if verify_payload:
+        got = xxhash.xxh64_intdigest(mv)
+        if got != meta.payload_xxh64:
+            raise ChecksumMismatch(f"{where} (stored payload)", meta.payload_xxh64, got)
+    transform = _check_transform(meta, where)
+    if meta.is_delta:
+        if base is None:
+            raise InvalidFormat(f"{where}: delta chunk decoded without its base")
+        if base.size != meta.raw_size:
+            raise ShapeMismatch(f"{where}: delta base has {base.size} bytes, chunk "
+                                f"{meta.raw_size}")
+    sizes = plane_sizes(meta.transform, meta.width, meta.raw_size)
+    if len(sizes) != len(meta.planes):
+        raise InvalidFormat(f"{where}: {len(meta.planes)} planes, transform makes {len(sizes)}")
+    direct = transform == Transform.NONE and not meta.is_delta
+    buf: U8 = out if direct else _scratch("dec", meta.raw_size)
+    off = soff = 0
+    for i, ((method, stored), n) in enumerate(zip(meta.planes, sizes, strict=True)):
+        decode_plane(method, mv[soff:soff + stored], buf[off:off + n],
+                     where=f"{where} plane {i}")
+        off += n
+        soff += stored
+    if not direct:
+        if transform == Transform.NONE:
+            K.xor(buf, base, out=out)
+        elif transform == Transform.GROUP:
+            if base is None:
+                K.ungroup(buf, meta.width, out=out)
+            else:
+                K.ungroup_xor(buf, base, meta.width, out=out)
+        else:
+            K.exp_ungroup(buf, _EXP_KIND[transform][0], base, out=out)
+    got = xxhash.xxh64_intdigest(out.data)
+    if got != meta.raw_xxh64:
+        raise ChecksumMismatch(f"{where} (decoded bytes)", meta.raw_xxh64, got)
+

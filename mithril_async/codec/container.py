@@ -1,0 +1,562 @@
+"""The MCKP blob format: a streaming, sans-IO writer and validating readers.
+
+Layout (exact bytes in ``docs/FORMAT.md``)::
+
+    preamble  "MCKP" u32 version u32 flags u32 header_length          16 bytes
+    header    zstd(JSON): tensors, chunk spans, params, step, ...     header_length bytes
+    blocks    block header ("MBLK" ..., plane table, xxh64) + payload   any order
+    index     one 24-byte entry per block: tensor, chunk, offset, length
+    trailer   offsets/lengths, hashes of header/index/trailer, total size, "MCKE",
+              xxh64 of every preceding byte                           80 bytes
+
+Why this shape: the writer is sans-IO and streaming (``begin``/``add``/``finish`` return the
+bytes to append), so the manager can push pieces to a file or an S3 multipart upload as chunks
+finish compressing, in any order.  The fixed-size trailer lets a reader holding only ranged
+reads fetch trailer -> header + index -> any block, so restores parallelise over blocks.
+Every byte is covered by a hash a ranged reader can check without reading the rest (preamble +
+header, index, trailer, each block header, each payload, each decoded chunk), and the whole
+blob has an xxh64 for whole-file verification.  Readers validate every size and offset
+before using it (never allocate from an unvalidated size) and refuse unknown versions.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+import zstandard
+
+from mithril_async.codec.chunk import (
+    DELTA_BIT,
+    ChunkMeta,
+    CodecParams,
+    EncodedChunk,
+    Transform,
+    chunk_spans,
+)
+from mithril_async.codec.dtypes import dtype_info
+from mithril_async.errors import ChecksumMismatch, InvalidFormat, UnknownFormatVersion
+
+__all__ = [
+    "FLAG_BYTE_GROUPING",
+    "FLAG_DELTA",
+    "FLAG_QUANTIZATION",
+    "MAGIC",
+    "VERSION",
+    "AsyncMckpRangeReader",
+    "BlockRef",
+    "MckpInfo",
+    "MckpRangeReader",
+    "MckpWriter",
+    "TensorEntry",
+    "block_from_bytes",
+    "parse_blob",
+]
+
+MAGIC = b"MCKP"
+END_MAGIC = b"MCKE"
+BLOCK_MAGIC = b"MBLK"
+VERSION = 1
+FLAG_DELTA = 1 << 0
+FLAG_BYTE_GROUPING = 1 << 1
+FLAG_QUANTIZATION = 1 << 2
+_KNOWN_FLAGS = FLAG_DELTA | FLAG_BYTE_GROUPING | FLAG_QUANTIZATION
+
+PREAMBLE = struct.Struct("<4sIII")  # magic, version, flags, header_length
+BLOCK_FIXED = struct.Struct("<4sIIBBHQQQQ")  # magic, tensor, chunk, transform, width, nplanes,
+#                                               raw_size, stored_size, raw_xxh64, payload_xxh64
+PLANE = struct.Struct("<BQ")  # method, stored length
+HASH = struct.Struct("<Q")
+INDEX_ENTRY = struct.Struct("<IIQQ")  # tensor, chunk, offset, length (header + payload)
+TRAILER = struct.Struct("<QQQQQQQI4sQ")  # header_length, index_offset, index_length,
+#   index_count, header_xxh64, index_xxh64, total_size, version, "MCKE", trailer_xxh64
+TRAILER_SIZE = TRAILER.size + HASH.size  # + xxh64 of all preceding bytes of the blob
+MAX_PLANES = 32
+MAX_HEADER_JSON = 1 << 30  # sanity bound on the decompressed header
+MAX_CHUNK = (1 << 30) + 64  # no chunk is longer (CodecParams.chunk_bytes <= 1 GiB)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as the header records it.
+
+    ``chunks``: ``[(offset, length), ...]`` covering ``[0, nbytes)`` in order.  ``base_xxh64``:
+    xxh64 of the base tensor's raw bytes when this tensor is stored as an XOR delta.
+    ``extra``: free-form per-tensor JSON (e.g. ``{"numpy": true}``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: tuple[tuple[int, int], ...]
+    base_xxh64: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, name: str, dtype: str, shape: Iterable[int], chunk_bytes: int,
+             base_xxh64: int | None = None, extra: dict[str, Any] | None = None,
+             ) -> TensorEntry:
+        """An entry with chunk spans computed by :func:`chunk_spans`."""
+        info = dtype_info(dtype, where=name)
+        shp = tuple(int(s) for s in shape)
+        n = info.itemsize
+        for s in shp:
+            n *= s
+        return cls(name, dtype, shp, n, tuple(chunk_spans(n, info.itemsize, chunk_bytes)),
+                   base_xxh64, dict(extra or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                             "nbytes": self.nbytes, "chunks": [list(c) for c in self.chunks]}
+        if self.base_xxh64 is not None:
+            d["base_xxh64"] = f"{self.base_xxh64:016x}"
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, i: int) -> TensorEntry:
+        """Validate one header entry (every field, every span) and build it."""
+        where = f"header tensor #{i}"
+        try:
+            name = d["name"]
+            if not isinstance(name, str):
+                raise TypeError("name")
+            where = f"header tensor {name!r}"
+            info = dtype_info(d["dtype"], where=where)
+            shape = tuple(d["shape"])
+            nbytes = d["nbytes"]
+            chunks = tuple((c[0], c[1]) for c in d["chunks"])
+            base = d.get("base_xxh64")
+            extra = d.get("extra", {})
+            ints = [*shape, nbytes, *(x for c in chunks for x in c)]
+            if not all(type(x) is int and x >= 0 for x in ints) or not isinstance(extra, dict):
+                raise TypeError("types")
+            base_int = int(base, 16) if base is not None else None
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise InvalidFormat(f"{where}: malformed tensor metadata ({e})") from None
+        n = info.itemsize
+        for s in shape:
+            n *= s
+        if n != nbytes:
+            raise InvalidFormat(f"{where}: nbytes {nbytes} != {info.itemsize} * {list(shape)}")
+        pos = 0
+        for off, ln in chunks:
+            if off != pos or ln == 0 or ln % info.itemsize or ln > MAX_CHUNK:
+                raise InvalidFormat(f"{where}: chunk spans do not tile the tensor")
+            pos += ln
+        if pos != nbytes:
+            raise InvalidFormat(f"{where}: chunk spans cover {pos} of {nbytes} bytes")
+        return cls(name, info.name, shape, nbytes, chunks, base_int, extra)
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """Where a block lives in the blob: ``[offset, offset + length)``."""
+
+    tensor: int
+    chunk: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MckpInfo:
+    """A validated blob header plus its block index."""
+
+    version: int
+    flags: int
+    tensors: tuple[TensorEntry, ...]
+    params: dict[str, Any]
+    original_size: int
+    previous_checkpoint_hash: str | None
+    training_step: int | None
+    metadata: dict[str, Any]
+    index: dict[tuple[int, int], BlockRef]
+    total_size: int
+    data_start: int
+    data_end: int
+
+    def block_name(self, tensor: int, chunk: int) -> str:
+        name = self.tensors[tensor].name if 0 <= tensor < len(self.tensors) else f"#{tensor}"
+        return f"block (tensor {name!r}, chunk {chunk})"
+
+
+class MckpWriter:
+    """Streaming, sans-IO writer: append ``begin()``, every ``add()``, then ``finish()``.
+
+    Blocks may be added in any order; ``finish`` refuses to close a blob with missing or
+    duplicate blocks.  ``size`` is the number of bytes produced so far and, after ``finish``,
+    ``xxh64`` the hash of the whole blob (what a manifest should record).
+    """
+
+    def __init__(self, tensors: Iterable[TensorEntry], *, params: CodecParams | dict[str, Any],
+                 previous_checkpoint_hash: str | None = None, training_step: int | None = None,
+                 metadata: dict[str, Any] | None = None, quantized: bool = False) -> None:
+        self.tensors = tuple(tensors)
+        pdict = params.to_dict() if isinstance(params, CodecParams) else dict(params)
+        self.flags = (
+            (FLAG_DELTA if any(t.base_xxh64 is not None for t in self.tensors) else 0)
+            | (FLAG_BYTE_GROUPING if pdict.get("byte_grouping") else 0)
+            | (FLAG_QUANTIZATION if quantized else 0))
+        header = {
+            "format": "mckp", "version": VERSION,
+            "original_size": sum(t.nbytes for t in self.tensors),
+            "tensors": [t.to_json() for t in self.tensors],
+            "compression_params": pdict,
+            "previous_checkpoint_hash": previous_checkpoint_hash,
+            "training_step": training_step,
+            "metadata": metadata or {},
+        }
+        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        self._header = zstandard.ZstdCompressor(level=3).compress(raw)
+        self._hasher = xxhash.xxh64()
+        self._size = 0
+        self._index: list[bytes] = []
+        self._seen: set[tuple[int, int]] = set()
+        self._state = "new"
+        self._header_xxh = 0
+        self._xxh: int | None = None
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def xxh64(self) -> int:
+        if self._xxh is None:
+            raise RuntimeError("MckpWriter.xxh64 is known only after finish()")
+        return self._xxh
+
+    def _emit(self, data: bytes) -> bytes:
+        self._hasher.update(data)
+        self._size += len(data)
+        return data
+
+    def begin(self) -> bytes:
+        """Preamble and header: the first bytes of the blob."""
+        if self._state != "new":
+            raise RuntimeError("MckpWriter.begin() called twice")
+        self._state = "open"
+        out = PREAMBLE.pack(MAGIC, VERSION, self.flags, len(self._header)) + self._header
+        self._header_xxh = xxhash.xxh64_intdigest(out)
+        return self._emit(out)
+
+    def add(self, tensor_index: int, chunk_index: int, encoded: EncodedChunk) -> bytes:
+        """Block header + payload of one encoded chunk (append them right after)."""
+        if self._state != "open":
+            raise RuntimeError("MckpWriter.add() outside begin()/finish()")
+        if not 0 <= tensor_index < len(self.tensors):
+            raise ValueError(f"tensor index {tensor_index} out of range")
+        t = self.tensors[tensor_index]
+        if not 0 <= chunk_index < len(t.chunks):
+            raise ValueError(f"{t.name!r}: chunk index {chunk_index} out of range")
+        key = (tensor_index, chunk_index)
+        if key in self._seen:
+            raise ValueError(f"{t.name!r}: chunk {chunk_index} added twice")
+        m = encoded.meta
+        if m.raw_size != t.chunks[chunk_index][1]:
+            raise ValueError(f"{t.name!r}: chunk {chunk_index} has {m.raw_size} bytes, span "
+                             f"says {t.chunks[chunk_index][1]}")
+        if m.is_delta != (t.base_xxh64 is not None):
+            raise ValueError(f"{t.name!r}: chunk delta-ness disagrees with the tensor entry")
+        if [len(memoryview(x).cast("B")) for x in encoded.parts] != [n for _, n in m.planes]:
+            raise ValueError(f"{t.name!r}: payload length disagrees with its plane table")
+        self._seen.add(key)
+        head = BLOCK_FIXED.pack(BLOCK_MAGIC, tensor_index, chunk_index, m.transform, m.width,
+                                len(m.planes), m.raw_size, m.stored_size, m.raw_xxh64,
+                                m.payload_xxh64)
+        head += b"".join(PLANE.pack(meth, ln) for meth, ln in m.planes)
+        head += HASH.pack(xxhash.xxh64_intdigest(head))
+        self._index.append(INDEX_ENTRY.pack(tensor_index, chunk_index, self._size,
+                                            len(head) + m.stored_size))
+        block = b"".join((head, *encoded.parts))
+        return self._emit(block)
+
+    def finish(self) -> bytes:
+        """Index and trailer: the last bytes of the blob."""
+        if self._state != "open":
+            raise RuntimeError("MckpWriter.finish() outside begin()")
+        want = sum(len(t.chunks) for t in self.tensors)
+        if len(self._seen) != want:
+            missing = next((ti, ci) for ti, t in enumerate(self.tensors)
+                           for ci in range(len(t.chunks)) if (ti, ci) not in self._seen)
+            raise ValueError(f"blob incomplete: {want - len(self._seen)} blocks missing, e.g. "
+                             f"tensor {self.tensors[missing[0]].name!r} chunk {missing[1]}")
+        self._state = "done"
+        index = b"".join(self._index)
+        index_offset = self._size
+        total = index_offset + len(index) + TRAILER_SIZE
+        body = TRAILER.pack(len(self._header), index_offset, len(index), len(self._index),
+                            self._header_xxh, xxhash.xxh64_intdigest(index), total, VERSION,
+                            END_MAGIC, 0)[:-HASH.size]
+        trailer = body + HASH.pack(xxhash.xxh64_intdigest(body))
+        self._emit(index)
+        self._emit(trailer)
+        tail = HASH.pack(self._hasher.intdigest())
+        self._emit(tail)
+        self._xxh = self._hasher.intdigest()
+        return index + trailer + tail
+
+
+# ---------------------------------------------------------------- sans-IO parsing steps
+
+
+@dataclass(frozen=True)
+class _Trailer:
+    header_length: int
+    index_offset: int
+    index_length: int
+    index_count: int
+    header_xxh64: int
+    index_xxh64: int
+    total_size: int
+
+
+def _parse_trailer(tail: bytes | memoryview, total_size: int) -> _Trailer:
+    """Validate the last ``TRAILER_SIZE`` bytes of a blob of ``total_size`` bytes."""
+    if total_size < PREAMBLE.size + TRAILER_SIZE:
+        raise InvalidFormat(f"blob of {total_size} bytes is too short to be MCKP")
+    if len(tail) != TRAILER_SIZE:
+        raise InvalidFormat(f"trailer read returned {len(tail)} bytes")
+    tb = bytes(tail[:TRAILER.size])
+    (hlen, ioff, ilen, icount, hxxh, ixxh, total, version, magic, txxh) = TRAILER.unpack(tb)
+    if magic != END_MAGIC:
+        raise InvalidFormat("trailer: bad end magic (truncated or not an MCKP blob)")
+    got = xxhash.xxh64_intdigest(tb[:-HASH.size])
+    if got != txxh:
+        raise ChecksumMismatch("trailer", txxh, got)
+    if version != VERSION:
+        raise UnknownFormatVersion(f"trailer: MCKP version {version} (this reader knows "
+                                   f"{VERSION})")
+    if total != total_size:
+        raise InvalidFormat(f"trailer: blob declares {total} bytes but has {total_size}")
+    if (ilen != icount * INDEX_ENTRY.size or ioff + ilen + TRAILER_SIZE != total
+            or PREAMBLE.size + hlen > ioff):
+        raise InvalidFormat("trailer: inconsistent header/index offsets")
+    return _Trailer(hlen, ioff, ilen, icount, hxxh, ixxh, total)
+
+
+def _parse_head(head: bytes | memoryview, tr: _Trailer) -> tuple[int, int, dict[str, Any]]:
+    """Validate preamble + header bytes; returns (version, flags, header JSON)."""
+    if len(head) < PREAMBLE.size:
+        raise InvalidFormat("blob too short for its preamble")
+    magic, version, flags, hlen = PREAMBLE.unpack(bytes(head[:PREAMBLE.size]))
+    if magic != MAGIC:
+        raise InvalidFormat(f"bad magic {bytes(magic)!r}: not an MCKP blob")
+    if version != VERSION:
+        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {VERSION})")
+    if hlen != tr.header_length or len(head) != PREAMBLE.size + hlen:
+        raise InvalidFormat("preamble: header length disagrees with the trailer")
+    got = xxhash.xxh64_intdigest(head)
+    if got != tr.header_xxh64:
+        raise ChecksumMismatch("blob header", tr.header_xxh64, got)
+    if flags & ~_KNOWN_FLAGS:
+        raise InvalidFormat(f"preamble: unknown flags {flags:#x}")
+    try:
+        dctx = zstandard.ZstdDecompressor()
+        size = zstandard.frame_content_size(head[PREAMBLE.size:])
+        if not 0 <= size <= min(MAX_HEADER_JSON, 1024 * len(head) + (1 << 20)):
+            raise InvalidFormat(f"header declares an absurd size {size}")
+        header = json.loads(dctx.decompress(head[PREAMBLE.size:], max_output_size=size))
+    except (zstandard.ZstdError, ValueError) as e:
+        raise InvalidFormat(f"blob header does not decode: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != "mckp":
+        raise InvalidFormat("blob header is not an MCKP header")
+    if header.get("version") != VERSION:
+        raise UnknownFormatVersion(f"MCKP header version {header.get('version')}")
+    return version, flags, header
+
+
+def _build_info(version: int, flags: int, header: dict[str, Any], tr: _Trailer) -> MckpInfo:
+    raw_tensors = header.get("tensors")
+    if not isinstance(raw_tensors, list):
+        raise InvalidFormat("blob header: 'tensors' is not a list")
+    tensors = tuple(TensorEntry.from_json(d, i) for i, d in enumerate(raw_tensors))
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise InvalidFormat("blob header: duplicate tensor names")
+    orig = header.get("original_size")
+    if orig != sum(t.nbytes for t in tensors):
+        raise InvalidFormat("blob header: original_size disagrees with the tensors")
+    if bool(flags & FLAG_DELTA) != any(t.base_xxh64 is not None for t in tensors):
+        raise InvalidFormat("blob header: has_delta flag disagrees with the tensors")
+    params = header.get("compression_params")
+    meta = header.get("metadata")
+    step = header.get("training_step")
+    prev = header.get("previous_checkpoint_hash")
+    if (not isinstance(params, dict) or not isinstance(meta, dict)
+            or not (step is None or type(step) is int)
+            or not (prev is None or isinstance(prev, str))):
+        raise InvalidFormat("blob header: malformed params/metadata/step/previous hash")
+    if tr.index_count != sum(len(t.chunks) for t in tensors):
+        raise InvalidFormat(f"index holds {tr.index_count} blocks, header implies "
+                            f"{sum(len(t.chunks) for t in tensors)}")
+    return MckpInfo(version, flags, tensors, params, orig, prev, step, meta, {},
+                    tr.total_size, PREAMBLE.size + tr.header_length, tr.index_offset)
+
+
+def _parse_index(data: bytes | memoryview, tr: _Trailer, info: MckpInfo) -> None:
+    """Validate the index and fill ``info.index`` (every block once, inside the data area)."""
+    if len(data) != tr.index_length:
+        raise InvalidFormat("index read returned the wrong length")
+    got = xxhash.xxh64_intdigest(data)
+    if got != tr.index_xxh64:
+        raise ChecksumMismatch("block index", tr.index_xxh64, got)
+    min_block = BLOCK_FIXED.size + HASH.size
+    for ti, ci, off, ln in INDEX_ENTRY.iter_unpack(data):
+        where = info.block_name(ti, ci)
+        if not (0 <= ti < len(info.tensors) and 0 <= ci < len(info.tensors[ti].chunks)):
+            raise InvalidFormat(f"index names a block that does not exist: {where}")
+        if off < info.data_start or ln < min_block or off + ln > info.data_end:
+            raise InvalidFormat(f"index: {where} points outside the data area")
+        if (ti, ci) in info.index:
+            raise InvalidFormat(f"index: {where} listed twice")
+        info.index[(ti, ci)] = BlockRef(ti, ci, off, ln)
+
+
+def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo,
+                     ) -> tuple[ChunkMeta, memoryview]:
+    """Validate one block (``ref.length`` bytes) and split it into metadata and payload.
+
+    The payload hash is checked here, so a caller may decode with ``verify_payload=False``.
+    """
+    where = info.block_name(ref.tensor, ref.chunk)
+    mv = memoryview(data).cast("B")
+    if len(mv) != ref.length:
+        raise InvalidFormat(f"{where}: read returned {len(mv)} of {ref.length} bytes")
+    (magic, ti, ci, transform, width, nplanes, raw_size, stored_size, raw_xxh,
+     pay_xxh) = BLOCK_FIXED.unpack_from(mv, 0)
+    if magic != BLOCK_MAGIC or nplanes > MAX_PLANES:
+        raise InvalidFormat(f"{where}: bad block header at offset {ref.offset}")
+    hlen = BLOCK_FIXED.size + nplanes * PLANE.size + HASH.size
+    if hlen > len(mv):
+        raise InvalidFormat(f"{where}: block header overruns the block")
+    (stored_hash,) = HASH.unpack_from(mv, hlen - HASH.size)
+    got = xxhash.xxh64_intdigest(mv[:hlen - HASH.size])
+    if got != stored_hash:
+        raise ChecksumMismatch(f"{where} header", stored_hash, got)
+    if (ti, ci) != (ref.tensor, ref.chunk):
+        raise InvalidFormat(f"{where}: index points at block ({ti}, {ci})")
+    planes = tuple(PLANE.unpack_from(mv, BLOCK_FIXED.size + i * PLANE.size)
+                   for i in range(nplanes))
+    t = info.tensors[ti]
+    if raw_size != t.chunks[ci][1]:
+        raise InvalidFormat(f"{where}: raw size {raw_size} disagrees with the header span")
+    if stored_size != ref.length - hlen or sum(s for _, s in planes) != stored_size:
+        raise InvalidFormat(f"{where}: stored size disagrees with the block length")
+    if bool(transform & DELTA_BIT) != (t.base_xxh64 is not None):
+        raise InvalidFormat(f"{where}: delta flag disagrees with the tensor entry")
+    try:
+        Transform(transform & ~DELTA_BIT)
+    except ValueError:
+        raise InvalidFormat(f"{where}: unknown transform {transform}") from None
+    payload = mv[hlen:]
+    got = xxhash.xxh64_intdigest(payload)
+    if got != pay_xxh:
+        raise ChecksumMismatch(f"{where} payload", pay_xxh, got)
+    return ChunkMeta(transform, width, raw_size, raw_xxh, pay_xxh, planes), payload
+
+
+# ---------------------------------------------------------------- readers
+
+
+def parse_blob(blob: bytes | bytearray | memoryview, *, verify: bool = True) -> MckpInfo:
+    """Validate a whole blob in memory and return its header and index.
+
+    ``verify`` also checks the whole-blob xxh64 (one fast pass; catches a flip anywhere).
+    """
+    mv = memoryview(blob).cast("B")
+    n = len(mv)
+    if n < PREAMBLE.size + TRAILER_SIZE:
+        if n >= 4 and bytes(mv[:4]) != MAGIC:
+            raise InvalidFormat(f"bad magic {bytes(mv[:4])!r}: not an MCKP blob")
+        raise InvalidFormat(f"blob of {n} bytes is too short to be MCKP")
+    if bytes(mv[:4]) != MAGIC:
+        raise InvalidFormat(f"bad magic {bytes(mv[:4])!r}: not an MCKP blob")
+    if verify:
+        (want,) = HASH.unpack_from(mv, n - HASH.size)
+        got = xxhash.xxh64_intdigest(mv[:n - HASH.size])
+        if got != want:
+            raise ChecksumMismatch("whole blob (xxh64)", want, got)
+    tr = _parse_trailer(mv[n - TRAILER_SIZE:], n)
+    version, flags, header = _parse_head(mv[:PREAMBLE.size + tr.header_length], tr)
+    info = _build_info(version, flags, header, tr)
+    _parse_index(mv[tr.index_offset:tr.index_offset + tr.index_length], tr, info)
+    return info
+
+
+def _parse_preamble_len(pre: bytes | memoryview) -> int:
+    if len(pre) != PREAMBLE.size:
+        raise InvalidFormat("short read of the preamble")
+    magic, version, _flags, hlen = PREAMBLE.unpack(bytes(pre))
+    if magic != MAGIC:
+        raise InvalidFormat(f"bad magic {bytes(magic)!r}: not an MCKP blob")
+    if version != VERSION:
+        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {VERSION})")
+    return int(hlen)
+
+
+class MckpRangeReader:
+    """Reads a blob through ``read_range(offset, length) -> bytes`` (e.g. a ranged GET).
+
+    ``open()`` reads the trailer, then the preamble + header and the index (3 reads);
+    ``read_block`` then fetches and validates one block, so blocks can be fetched in
+    parallel.  The whole-blob hash is not checked (it would need every byte); every piece is
+    covered by its own hash instead.
+    """
+
+    def __init__(self, read_range: Callable[[int, int], bytes | memoryview], size: int) -> None:
+        self._read = read_range
+        self.size = size
+        self.info: MckpInfo | None = None
+
+    def open(self) -> MckpInfo:
+        if self.size < PREAMBLE.size + TRAILER_SIZE:
+            raise InvalidFormat(f"blob of {self.size} bytes is too short to be MCKP")
+        pre = self._read(0, PREAMBLE.size)
+        _parse_preamble_len(pre)
+        tr = _parse_trailer(self._read(self.size - TRAILER_SIZE, TRAILER_SIZE), self.size)
+        head = self._read(0, PREAMBLE.size + tr.header_length)
+        version, flags, header = _parse_head(head, tr)
+        info = _build_info(version, flags, header, tr)
+        _parse_index(self._read(tr.index_offset, tr.index_length), tr, info)
+        self.info = info
+        return info
+
+    def read_block(self, tensor: int, chunk: int) -> tuple[ChunkMeta, memoryview]:
+        info = self.info if self.info is not None else self.open()
+        ref = info.index[(tensor, chunk)]
+        return block_from_bytes(self._read(ref.offset, ref.length), ref, info)
+
+
+class AsyncMckpRangeReader:
+    """:class:`MckpRangeReader` over an async ``read_range`` (aioboto3 / aiofiles)."""
+
+    def __init__(self, read_range: Callable[[int, int], Awaitable[bytes | memoryview]],
+                 size: int) -> None:
+        self._read = read_range
+        self.size = size
+        self.info: MckpInfo | None = None
+
+    async def open(self) -> MckpInfo:
+        if self.size < PREAMBLE.size + TRAILER_SIZE:
+            raise InvalidFormat(f"blob of {self.size} bytes is too short to be MCKP")
+        _parse_preamble_len(await self._read(0, PREAMBLE.size))
+        tr = _parse_trailer(await self._read(self.size - TRAILER_SIZE, TRAILER_SIZE), self.size)
+        version, flags, header = _parse_head(
+            await self._read(0, PREAMBLE.size + tr.header_length), tr)
+        info = _build_info(version, flags, header, tr)
+        _parse_index(await self._read(tr.index_offset, tr.index_length), tr, info)
+        self.info = info
+        return info
+
+    async def read_block(self, tensor: int, chunk: int) -> tuple[ChunkMeta, memoryview]:
+        info = self.info if self.info is not None else await self.open()
+        ref = info.index[(tensor, chunk)]
+        return block_from_bytes(await self._read(ref.offset, ref.length), ref, info)

@@ -1,0 +1,178 @@
+"""Fixed-width dtypes <-> stable names, and zero-copy tensor <-> bytes views.
+
+The codec works on raw little-endian bytes; this module is the only place that knows how a
+torch tensor (or numpy array) maps onto those bytes.  Names are the torch attribute names
+(``"bfloat16"``, ``"float8_e4m3fn"``, ...): they are written into blobs and manifests, so they
+must never change.  Dtypes without a fixed width (quantized, sparse, nested) are refused with
+:class:`~mithril_async.errors.UnsupportedDtype`.
+
+Why zero-copy: the async manager snapshots tensors into its own host buffers and then hands them
+to the codec; an extra copy here would double the memory traffic of every save.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from mithril_async.errors import ShapeMismatch, UnsupportedDtype
+
+__all__ = [
+    "DTYPES",
+    "DtypeInfo",
+    "dtype_info",
+    "dtype_name",
+    "tensor_bytes",
+    "tensor_from_bytes",
+]
+
+Kind = Literal["float", "int", "uint", "bool", "complex"]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("mithril_async.codec requires a little-endian host")
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    """What the codec needs to know about one dtype.
+
+    ``group_width`` is the byte-grouping width (the component width for complex numbers, so a
+    complex64 groups like float32); ``exp_kind`` names the exponent-plane transform that fits
+    the bit layout (``"bf16"``/``"fp32"``) or ``None``.
+    """
+
+    name: str
+    itemsize: int
+    kind: Kind
+    group_width: int
+    exp_kind: str | None
+    torch_dtype: torch.dtype | None
+    numpy_dtype: np.dtype[Any] | None
+
+
+def _mk(name: str, itemsize: int, kind: Kind, *, group: int | None = None,
+        exp: str | None = None, np_name: str | None = None) -> DtypeInfo | None:
+    tdt = getattr(torch, name, None)
+    if not isinstance(tdt, torch.dtype):
+        tdt = None
+    ndt = np.dtype(np_name) if np_name is not None else None
+    if tdt is None and ndt is None:
+        return None
+    return DtypeInfo(name, itemsize, kind, group if group is not None else itemsize, exp, tdt, ndt)
+
+
+_ALL = [
+    _mk("float64", 8, "float", np_name="float64"),
+    _mk("float32", 4, "float", exp="fp32", np_name="float32"),
+    _mk("float16", 2, "float", np_name="float16"),
+    _mk("bfloat16", 2, "float", exp="bf16"),
+    _mk("float8_e4m3fn", 1, "float"),
+    _mk("float8_e5m2", 1, "float"),
+    _mk("float8_e4m3fnuz", 1, "float"),
+    _mk("float8_e5m2fnuz", 1, "float"),
+    _mk("float8_e8m0fnu", 1, "float"),
+    _mk("float4_e2m1fn_x2", 1, "float"),
+    _mk("int8", 1, "int", np_name="int8"),
+    _mk("int16", 2, "int", np_name="int16"),
+    _mk("int32", 4, "int", np_name="int32"),
+    _mk("int64", 8, "int", np_name="int64"),
+    _mk("uint8", 1, "uint", np_name="uint8"),
+    _mk("uint16", 2, "uint", np_name="uint16"),
+    _mk("uint32", 4, "uint", np_name="uint32"),
+    _mk("uint64", 8, "uint", np_name="uint64"),
+    _mk("bool", 1, "bool", np_name="bool"),
+    _mk("complex32", 4, "complex", group=2),
+    _mk("complex64", 8, "complex", group=4, np_name="complex64"),
+    _mk("complex128", 16, "complex", group=8, np_name="complex128"),
+]
+
+#: Every supported dtype by its stable name.
+DTYPES: dict[str, DtypeInfo] = {i.name: i for i in _ALL if i is not None}
+_BY_TORCH: dict[torch.dtype, DtypeInfo] = {
+    i.torch_dtype: i for i in DTYPES.values() if i.torch_dtype is not None
+}
+_BY_NUMPY: dict[np.dtype[Any], DtypeInfo] = {
+    i.numpy_dtype: i for i in DTYPES.values() if i.numpy_dtype is not None
+}
+
+
+def dtype_info(name: str, *, where: str = "tensor") -> DtypeInfo:
+    """The :class:`DtypeInfo` of a stable dtype name; ``UnsupportedDtype`` if unknown."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UnsupportedDtype(f"{where}: unsupported dtype {name!r}") from None
+
+
+def dtype_name(x: torch.Tensor | np.ndarray[Any, Any] | torch.dtype | np.dtype[Any],
+               *, where: str = "tensor") -> str:
+    """Stable name of the dtype of a tensor, array or dtype object."""
+    dt = x.dtype if isinstance(x, (torch.Tensor, np.ndarray)) else x
+    info: DtypeInfo | None
+    if isinstance(dt, torch.dtype):
+        info = _BY_TORCH.get(dt)
+    else:
+        ndt = np.dtype(dt)
+        info = _BY_NUMPY.get(ndt.newbyteorder("=")) if ndt.isnative else None
+    if info is None:
+        raise UnsupportedDtype(f"{where}: unsupported dtype {dt} (no fixed-width byte layout)")
+    return info.name
+
+
+def tensor_bytes(x: torch.Tensor | np.ndarray[Any, Any], *, where: str = "tensor",
+                 ) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], str, tuple[int, ...]]:
+    """``(read-only uint8 view, dtype name, shape)`` of a tensor or numpy array.
+
+    Contiguous CPU tensors are viewed without a copy; non-contiguous, conjugated or
+    non-CPU tensors are copied first.  The input is never mutated and the returned view is
+    read-only so the codec cannot mutate it by accident either.
+    """
+    if isinstance(x, np.ndarray):
+        name = dtype_name(x, where=where)
+        shape = tuple(int(s) for s in x.shape)
+        arr = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    elif isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.is_quantized or x.is_nested:
+            raise UnsupportedDtype(f"{where}: unsupported tensor layout {x.layout}")
+        name = dtype_name(x, where=where)
+        shape = tuple(int(s) for s in x.shape)
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        t = t.contiguous().reshape(-1)
+        arr = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    else:
+        raise UnsupportedDtype(f"{where}: not a tensor or numpy array: {type(x).__name__}")
+    arr = arr.view()
+    arr.flags.writeable = False
+    return arr, name, shape
+
+
+def tensor_from_bytes(buf: np.ndarray[Any, Any] | bytes | bytearray | memoryview,
+                      dtype_name: str, shape: tuple[int, ...] | list[int], *,
+                      where: str = "tensor") -> torch.Tensor:
+    """Build a CPU tensor of ``dtype_name``/``shape`` over ``buf`` (no copy when writable)."""
+    info = dtype_info(dtype_name, where=where)
+    if info.torch_dtype is None:
+        raise UnsupportedDtype(f"{where}: dtype {dtype_name!r} has no torch equivalent")
+    shp = tuple(int(s) for s in shape)
+    arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    arr = arr.reshape(-1)
+    n = 1
+    for s in shp:
+        n *= s
+    if arr.dtype != np.uint8 or arr.size != n * info.itemsize:
+        raise ShapeMismatch(f"{where}: {arr.size} bytes do not hold {dtype_name}{list(shp)}")
+    if n == 0:
+        return torch.empty(shp, dtype=info.torch_dtype)
+    if not arr.flags.writeable or not arr.flags.c_contiguous:
+        arr = arr.copy()
+    return torch.from_numpy(arr).view(info.torch_dtype).reshape(shp)

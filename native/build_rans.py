@@ -1,0 +1,54 @@
+"""cffi (API mode) build of the rANS plane coder -> ``mithril_async._rans``.
+
+Listed in ``setup.py``'s ``cffi_modules`` next to the kernels so ``pip install`` compiles it;
+``python native/build_rans.py`` builds it in place for development.  Without it the codec
+still works: it writes Huffman-only deflate planes instead, and decodes RANS planes with a
+slow pure-numpy decoder (``mithril_async/codec/rans.py``), so every blob stays readable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from cffi import FFI
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+CDEF = """
+void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
+size_t mr_encode_bound(size_t n);
+int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
+int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
+"""
+
+
+def make_builder(absolute_paths: bool = False) -> FFI:
+    """The cffi builder; setuptools wants project-relative source paths, ``compile()`` absolute."""
+
+    def path(p: str) -> str:
+        return p if absolute_paths else os.path.relpath(p)
+
+    builder = FFI()
+    builder.cdef(CDEF)
+    builder.set_source(
+        "mithril_async._rans",
+        '#include "rans.h"',
+        sources=[path(os.path.join(_HERE, "rans.c"))],
+        include_dirs=[path(_HERE)],
+        depends=[path(os.path.join(_HERE, "rans.h"))],
+        libraries=[] if sys.platform == "win32" else ["m"],
+        extra_compile_args=["/O2"] if sys.platform == "win32" else ["-O3", "-std=c99"],
+    )
+    return builder
+
+
+ffibuilder = make_builder()
+
+if __name__ == "__main__":
+    import shutil
+
+    root = os.path.dirname(_HERE)
+    tmp = os.path.join(root, "build", "cffi-rans")
+    built = make_builder(absolute_paths=True).compile(tmpdir=tmp, verbose=False)
+    print(shutil.copy(built, os.path.join(root, "mithril_async", "_rans.abi3.so")))

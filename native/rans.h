@@ -1,0 +1,13 @@
+/* Order-0 rANS coder for byte planes (RANS plane format v1); see rans.c. */
+#ifndef MITHRIL_RANS_H
+#define MITHRIL_RANS_H
+#include <stddef.h>
+#include <stdint.h>
+
+void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
+size_t mr_encode_bound(size_t n);
+/* >0: encoded size; 0: would not get under limit (store raw); <0: error. */
+int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
+/* 0 on success (exactly n bytes written); <0 when src is not a valid n-symbol RANS plane. */
+int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
+#endif

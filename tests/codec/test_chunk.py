@@ -1,0 +1,127 @@
+"""encode_chunk/decode_chunk: transforms, plane coders, delta, checksums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mithril_async.codec import rans
+from mithril_async.codec.chunk import (
+    CodecParams,
+    Transform,
+    chunk_spans,
+    decode_chunk,
+    encode_chunk,
+)
+from mithril_async.codec.dtypes import tensor_bytes
+from mithril_async.codec.entropy import PlaneMethod
+from mithril_async.errors import ChecksumMismatch, ConfigError, InvalidFormat
+from tests.codec._helpers import TORCH_DTYPES, det_tensor
+
+
+def _roundtrip(src: np.ndarray, name: str, base: np.ndarray | None, p: CodecParams) -> None:
+    enc = encode_chunk(src, name, base, p)
+    assert enc.meta.stored_size <= src.size + 1
+    out = np.empty(src.size, np.uint8)
+    decode_chunk(enc.payload, enc.meta, base, out)
+    assert np.array_equal(out, src)
+
+
+@pytest.mark.parametrize("name", TORCH_DTYPES)
+@pytest.mark.parametrize("grouping", [True, False])
+def test_chunk_roundtrip(name: str, grouping: bool) -> None:
+    src, _, _ = tensor_bytes(det_tensor(name, (257,), seed=2))
+    base, _, _ = tensor_bytes(det_tensor(name, (257,), seed=3))
+    for p in (CodecParams(byte_grouping=grouping), CodecParams(entropy="zstd", level=1)):
+        _roundtrip(src, name, None, p)
+        _roundtrip(src, name, base, p)
+
+
+def test_transforms_and_plane_choices() -> None:
+    w = (torch.randn(1 << 16) * 0.02).bfloat16()
+    enc = encode_chunk(tensor_bytes(w)[0], "bfloat16", None, CodecParams())
+    assert enc.meta.transform == Transform.EXP_BF16
+    want = PlaneMethod.RANS if rans.NATIVE else PlaneMethod.HUFF
+    assert [m for m, _ in enc.meta.planes] == [want, PlaneMethod.RAW]
+    # fp32 copies of bf16 weights: the two low mantissa planes are constant (seed 004).
+    f = w.float()
+    enc = encode_chunk(tensor_bytes(f)[0], "float32", None, CodecParams())
+    assert [m for m, _ in enc.meta.planes][2:] == [PlaneMethod.CONST, PlaneMethod.CONST]
+    assert enc.meta.stored_size < f.numel() * 2 * 0.7
+
+
+def test_incompressible_is_stored_raw_and_never_grows() -> None:
+    src = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    for name in ("uint8", "float32", "int64"):
+        enc = encode_chunk(src, name, None, CodecParams())
+        assert all(m == PlaneMethod.RAW for m, _ in enc.meta.planes)
+        assert enc.meta.stored_size == src.size
+
+
+def test_checksums_catch_corruption() -> None:
+    src, _, _ = tensor_bytes(det_tensor("float32", (999,), seed=4))
+    enc = encode_chunk(src, "float32", None, CodecParams())
+    bad = bytearray(enc.payload)
+    bad[len(bad) // 2] ^= 4
+    out = np.empty(src.size, np.uint8)
+    with pytest.raises(ChecksumMismatch, match="blk7"):
+        decode_chunk(bytes(bad), enc.meta, None, out, where="blk7")
+    # Even when the payload check is skipped, wrong data is never returned.
+    with pytest.raises(InvalidFormat):
+        decode_chunk(bytes(bad), enc.meta, None, out, where="blk7", verify_payload=False)
+
+
+def test_chunk_spans_and_params() -> None:
+    assert chunk_spans(0, 4, 16) == []
+    assert chunk_spans(40, 4, 18) == [(0, 16), (16, 16), (32, 8)]
+    assert chunk_spans(6, 2, 1) == [(0, 2), (2, 2), (4, 2)]
+    with pytest.raises(ValueError):
+        chunk_spans(5, 2, 4)
+    p = CodecParams(level=5, chunk_bytes=1 << 20)
+    assert CodecParams.from_dict({**p.to_dict(), "future_knob": 1}) == p
+    with pytest.raises(ConfigError):
+        CodecParams(level=99)
+
+
+def test_without_native_rans_deflate_is_written_and_rans_still_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = (torch.randn(3000) * 0.02).bfloat16()
+    src = tensor_bytes(w)[0]
+    enc = encode_chunk(src, "bfloat16", None, CodecParams())
+    monkeypatch.setattr(rans, "NATIVE", False)
+    out = np.empty(src.size, np.uint8)
+    decode_chunk(enc.payload, enc.meta, None, out)  # pure-Python rANS decoder
+    assert np.array_equal(out, src)
+    enc2 = encode_chunk(src, "bfloat16", None, CodecParams())
+    assert enc2.meta.planes[0][0] == PlaneMethod.HUFF
+    decode_chunk(enc2.payload, enc2.meta, None, out)
+    assert np.array_equal(out, src)
+
+
+@pytest.mark.skipif(not rans.NATIVE, reason="native rANS coder not built")
+def test_rans_native_and_python_decoders_agree_and_reject_garbage() -> None:
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 4, 5, 1000, (1 << 18) + 5):
+        x = (rng.geometric(0.4, n) % 256).astype(np.uint8)
+        enc = rans.encode(x, 1 << 40)
+        assert enc
+        for native in (True, False):
+            if not native and n > 5000:
+                continue
+            out = np.empty(n, np.uint8)
+            rans.decode(enc, out, where="p", native=native)
+            assert np.array_equal(out, x)
+        for pos in rng.integers(0, len(enc), 30):
+            bad = bytearray(enc)
+            bad[pos] ^= 1 << int(rng.integers(8))
+            out = np.empty(n, np.uint8)
+            try:
+                rans.decode(bytes(bad), out, where="p")
+            except InvalidFormat:
+                continue
+        with pytest.raises(InvalidFormat):
+            rans.decode(enc[:-1], np.empty(n, np.uint8), where="p")
+        with pytest.raises(InvalidFormat):
+            rans.decode(enc, np.empty(n + 1, np.uint8), where="p")
+    assert rans.encode(rng.integers(0, 256, 5000, dtype=np.uint8), 5000) == b""
