@@ -168,6 +168,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._steps: set[int] | None = None
         self._config_written = False
+        self._commit_error: Exception | None = None
         self._closed = False
 
     @classmethod
@@ -192,13 +193,18 @@ class CheckpointManager:
             orphan_age_s=self.cfg.pipeline.orphan_age_s)
             if removed:
                 log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
-            await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
-                                                   self.cfg.best_mode)
-            # a writer killed between its manifest and its alias moves: finish them now
-            if await self.catalog.repair_aliases(self.cfg.best_metric_name, self.cfg.best_mode):
-                log.warning("moved aliases to committed versions a killed writer left behind")
-                await self.catalog.update_run_manifest(self._root_local(), self._root_remote())
-        self._steps = {m.step for m in await self.catalog.versions()}
+            try:
+                await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
+                                                       self.cfg.best_mode)
+                # a writer killed between its manifest and its alias moves: finish them now
+                if await self.catalog.repair_aliases(self.cfg.best_metric_name,
+                                                     self.cfg.best_mode):
+                    log.warning("moved aliases to committed versions a killed writer left")
+                    await self.catalog.update_run_manifest(self._root_local(),
+                                                           self._root_remote())
+            except InvalidFormat as err:  # a damaged alias must not stop the manager
+                log.warning("could not check the aliases of run %s: %s", self.run_id, err)
+        self._steps = {m.step for m in await self.catalog.versions(skip_damaged=True)}
 
     def _bg(self, coro: Any) -> Any:
         """Run ``coro`` on the background loop, blocking the calling thread."""
@@ -250,7 +256,7 @@ class CheckpointManager:
         return step > 0 and step % self.cfg.ckpting_save_iter == 0
 
     def all_steps(self) -> list[int]:
-        return [m.step for m in self._bg(self.catalog.versions())]
+        return [m.step for m in self._bg(self.catalog.versions(skip_damaged=True))]
 
     def latest_step(self) -> int | None:
         alias = self._bg(self.catalog.read_alias("latest"))
@@ -261,11 +267,14 @@ class CheckpointManager:
         return None if alias is None or alias.status != "ok" else alias.step
 
     def check_for_errors(self) -> None:
-        """Raise the error of a failed background save (once), as :class:`SaveFailed`."""
+        """Raise the error of a failed background save (once), as :class:`SaveFailed`.
+
+        A save the caller cancelled (``handle.future.cancel()``, a timeout around it) is not
+        an error: it published nothing, and the manager goes on."""
         fut = self._inflight
         if fut is not None and fut.done():
             self._inflight = None
-            exc = fut.exception()
+            exc = None if fut.cancelled() else fut.exception()
             if exc is not None:
                 self._error = exc
         if self._error is not None:
@@ -394,7 +403,11 @@ class CheckpointManager:
         outcome: Outcome | None = None
         manifest: VersionManifest | None = None
         if parts is not None:  # rank 0 decides
-            outcome, manifest = await self._commit(number, res, metrics, parts)
+            try:
+                outcome, manifest = await self._commit(number, res, metrics, parts)
+            except asyncio.CancelledError:  # cancelled while committing: publish nothing
+                await asyncio.shield(self._discard(number))
+                raise
         outcome = await coord.broadcast_outcome(outcome)
         if not outcome.committed:
             res.status, res.error = "failed", outcome.error
@@ -402,6 +415,8 @@ class CheckpointManager:
             self.history.append(res)
             log.error("save of step %d (%s) failed: %s", res.step, res.version_id, outcome.error)
             await asyncio.shield(self._discard(number))
+            local_err = local_err or self._commit_error
+            self._commit_error = None
             if local_err is not None and coord.world_size == 1:
                 raise local_err
             raise DistributedError(outcome.error or "save failed")
@@ -431,6 +446,7 @@ class CheckpointManager:
             manifest = await self._build_manifest(number, res, metrics, parts)
             await self.store.put_if_absent(key, dump_model(manifest))
         except Exception as err:
+            self._commit_error = err  # raised as itself when this process is the only rank
             return Outcome(committed=False, failed_rank=0,
                            error=f"rank 0 could not commit {key}: {type(err).__name__}: {err}"
                            ), None
@@ -481,7 +497,9 @@ class CheckpointManager:
         part.rng_key = self.layout.rng_key(number, self.rank)
         rng_doc = {"rank": self.rank, "step": res.step, "rng": rng, "states": json_states,
                    "exact": part.exact}
-        await self.store.put(part.rng_key, json.dumps(rng_doc).encode())
+        rng_bytes = json.dumps(rng_doc).encode()
+        part.rng_xxh64 = xxhash.xxh64_hexdigest(rng_bytes)
+        await self.store.put(part.rng_key, rng_bytes)
         res.bytes_in += part.bytes_in
         res.bytes_out += part.bytes_out
         return part
@@ -506,8 +524,8 @@ class CheckpointManager:
                    "root_remote": self._root_remote()},
             config=await self._write_config(), model=BlobRef(**model.model_dump(
                 exclude={"rank"})), optimizer=optimizer,
-            rng=RngEntry(per_rank=True, keys=[RankKey(rank=p.rank, key=p.rng_key or "")
-                                              for p in parts]),
+            rng=RngEntry(per_rank=True, keys=[RankKey(rank=p.rank, key=p.rng_key or "",
+                                                      xxh64=p.rng_xxh64) for p in parts]),
             extra=shards, resume=ResumeInfo(base_step=res.step, exact=exact), metrics=metrics,
             compression=self._codec.describe(),
             stats=SaveStats(stall_s=res.stall_s, bytes_in=sum(p.bytes_in for p in parts),
@@ -531,7 +549,10 @@ class CheckpointManager:
     async def _discard(self, number: int) -> None:
         """Remove whatever an aborted save left in its version folder."""
         try:
-            for key in await self.store.list(self.layout.version_dir(number) + "/"):
+            keys = await self.store.list(self.layout.version_dir(number) + "/")
+            # a manifest that landed before its commit failed goes first: never a manifest
+            # without its blobs, even if this cleanup is cut short
+            for key in sorted(keys, key=lambda k: not k.endswith("/manifest.json")):
                 await self.store.delete(key)
         except Exception as err:  # the next start cleans what remains
             log.warning("could not clean aborted version %s: %r", version_id(number), err)
@@ -559,7 +580,7 @@ class CheckpointManager:
         policies = self._policies()
         if not policies:
             return []
-        versions = await self.catalog.versions()
+        versions = await self.catalog.versions(skip_damaged=True)
         protected = set()
         for name in ("latest", "best"):
             alias = await self.catalog.read_alias(name)
@@ -619,9 +640,14 @@ class CheckpointManager:
             if not fallback:
                 raise
             first_err = err
-        bad = await self.catalog.read_manifest(key)
-        for m in reversed(await self.catalog.versions()):
-            if m.step >= bad.step:
+        bad_vid = key.rsplit("/", 2)[-2]
+        try:
+            bad_step: int | None = (await self.catalog.read_manifest(key)).step
+        except _RESTORE_ERRORS:  # the manifest itself is damaged: older version numbers
+            bad_step = None
+        for m in reversed(await self.catalog.versions(skip_damaged=True)):
+            if (m.step >= bad_step if bad_step is not None
+                    else version_number(m.version_id) >= version_number(bad_vid)):
                 continue
             cand = self.layout.manifest_key(version_number(m.version_id))
             try:
@@ -629,10 +655,10 @@ class CheckpointManager:
             except _RESTORE_ERRORS as err:
                 log.warning("fallback: %s does not verify either: %s", m.version_id, err)
                 continue
-            log.warning("restore fell back from %s (%s) to %s (step %d)", bad.version_id,
+            log.warning("restore fell back from %s (%s) to %s (step %d)", bad_vid,
                         first_err, m.version_id, m.step)
             return out
-        raise VersionNotFound(f"no version at or before {bad.version_id} verifies; "
+        raise VersionNotFound(f"no version at or before {bad_vid} verifies; "
                               f"first error: {first_err}") from first_err
 
     async def _decode_version(self, key: str, load: str = "all"
@@ -654,9 +680,15 @@ class CheckpointManager:
         for name, ref in refs.items():
             skeleton, tensors = await self._codec.read(self.store, ref, load_blob)
             trees[name] = unflatten_state(skeleton, tensors)
-        rng_key = self._rank_ref(m, "rng", m.rng.keys).key
+        rng_ref = self._rank_ref(m, "rng", m.rng.keys)
+        rng_key = rng_ref.key
+        rng_bytes = await self.catalog._get_metadata(rng_key)
+        if rng_ref.xxh64 is not None:  # RNG and data-loader state: never loaded if damaged
+            got = xxhash.xxh64_hexdigest(rng_bytes)
+            if got != rng_ref.xxh64:
+                raise ChecksumMismatch(rng_key, rng_ref.xxh64, got)
         try:
-            rng_doc = json.loads(await self.store.get(rng_key))
+            rng_doc = json.loads(rng_bytes)
         except ValueError as err:
             raise InvalidFormat(f"{rng_key}: not valid JSON ({err})") from None
         return m, trees, rng_doc
