@@ -4,7 +4,9 @@ The public API, re-exported; see README.md for a tour.
 """
 
 from mithril_async.codec import compress_state_dict, decompress_state_dict
+from mithril_async.compressor import Compressor
 from mithril_async.config import Config, load_config, parse_config
+from mithril_async.distributed import DistCoordinator
 from mithril_async.errors import (
     ChecksumMismatch,
     CompressionError,
@@ -35,6 +37,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager",
+    "Compressor",
+    "DistCoordinator",
     "ChecksumMismatch",
     "CompressionError",
     "Config",
