@@ -5,17 +5,28 @@ Every backend validates keys with :func:`check_key` so that nothing read from a 
 escape the store root. Writes are atomic and durable when they return: readers see the old
 value or the new one, never a torn one. Large blobs stream through :class:`BlobWriter`
 (multipart on S3, temp file + fsync + rename on disk); an aborted writer leaves nothing behind.
+
+Key components starting with ``.tmp-`` are reserved: backends use them for temp files and
+lock files, so :func:`check_key` refuses them and :meth:`Store.list` never returns them.
+
+``list(prefix)`` has directory semantics on every backend: ``""`` lists everything,
+``"a/b/"`` or ``"a/b"`` list ``a/b`` itself (if it is a key) and every key below ``a/b/`` -
+but never ``a/bc``. This keeps S3 (plain string prefixes) and the file system alike.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
+from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from mithril_async.errors import UnsafeKey
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
+
+#: key components starting with this are reserved for backend temp/lock files
+RESERVED_PREFIX = ".tmp-"
 
 
 def check_key(key: str) -> str:
@@ -32,9 +43,28 @@ def check_key(key: str) -> str:
             raise UnsafeKey(f"store key has an empty, '.' or '..' component: {key!r}")
         if not _KEY_PART.match(part):
             raise UnsafeKey(f"store key has characters outside [A-Za-z0-9._=+@,-]: {key!r}")
+        if part.startswith(RESERVED_PREFIX):
+            raise UnsafeKey(f"store key component uses reserved {RESERVED_PREFIX!r}: {key!r}")
     if posixpath.normpath(key) != key:
         raise UnsafeKey(f"store key is not normalised: {key!r}")
     return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a list/cleanup prefix; return it without a trailing '/' (``""`` = everything)."""
+    if not isinstance(prefix, str):
+        raise UnsafeKey(f"store prefix must be a string, got {prefix!r}")
+    stripped = prefix[:-1] if prefix.endswith("/") else prefix
+    if stripped == "":
+        if prefix not in ("", "/"):
+            raise UnsafeKey(f"store prefix is not normalised: {prefix!r}")
+        return ""
+    return check_key(stripped)
+
+
+def key_in_prefix(key: str, prefix: str) -> bool:
+    """Whether ``key`` lies under a prefix already normalised by :func:`check_prefix`."""
+    return prefix == "" or key == prefix or key.startswith(prefix + "/")
 
 
 def join_key(*parts: str) -> str:
@@ -42,9 +72,28 @@ def join_key(*parts: str) -> str:
     return check_key("/".join(p.strip("/") for p in parts if p))
 
 
+def as_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    """Return ``data`` as immutable bytes (copying only when it is not bytes already)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, memoryview):
+        return data.cast("B").tobytes() if data.contiguous else data.tobytes()
+    return bytes(data)
+
+
+def check_range(key: str, start: int, length: int) -> None:
+    """Refuse negative ranges up front so every backend reports them the same way."""
+    if start < 0 or length < 0:
+        raise ValueError(f"invalid range start={start} length={length} for key {key!r}")
+
+
 @runtime_checkable
 class BlobWriter(Protocol):
-    """A streaming writer for one key. Nothing is visible until :meth:`commit` returns."""
+    """A streaming writer for one key. Nothing is visible until :meth:`commit` returns.
+
+    Concrete writers are also async context managers: ``async with store.open_writer(k) as w``
+    commits on normal exit and aborts on an exception.
+    """
 
     key: str
 
@@ -56,6 +105,30 @@ class BlobWriter(Protocol):
 
     async def abort(self) -> None:
         """Discard everything written; idempotent, never raises for a missing upload."""
+
+
+class WriterContext:
+    """Mixin giving a writer ``async with`` semantics: commit on success, abort on error."""
+
+    async def commit(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def abort(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def __aenter__(self) -> WriterContext:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            await self.commit()
+        else:
+            await self.abort()
 
 
 @runtime_checkable
@@ -95,7 +168,7 @@ class Store(Protocol):
         """
 
     async def list(self, prefix: str) -> list[str]:
-        """All keys under ``prefix`` (a key prefix ending in '/' or a full key), sorted."""
+        """All keys under ``prefix`` (directory semantics, see module doc), sorted."""
 
     async def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
@@ -103,9 +176,12 @@ class Store(Protocol):
     def open_writer(self, key: str) -> BlobWriter:
         """Start a streaming write of ``key``."""
 
-    async def cleanup_incomplete(self, prefix: str) -> int:
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
         """Remove leftovers of killed writers under ``prefix`` (temp files, multipart
-        uploads); return how many were removed."""
+        uploads) that are at least ``older_than`` seconds old; return how many were removed.
+
+        ``older_than`` protects writers still running in other processes; ``0`` removes all.
+        """
 
     async def close(self) -> None:
         """Release connections and file handles."""

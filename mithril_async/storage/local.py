@@ -1,0 +1,550 @@
+"""A Store on the local file system: temp file + fsync + rename, never a torn file.
+
+Every blocking call runs on a worker thread (``asyncio.to_thread``), one hop per operation
+rather than one per syscall, so the event loop never waits on the disk.
+
+Safety: keys are validated with :func:`check_key`, the resolved parent directory must stay
+inside the root (symlinked directories pointing elsewhere are refused) and the final component
+is opened with ``O_NOFOLLOW`` so a planted symlink cannot redirect a read outside the root.
+
+Conditional writes: ``put_if_absent`` hard-links a fully written temp file into place
+(``link`` fails atomically if the name exists). ``put_if_match`` compares a content-hash tag
+and renames under an ``flock`` on ``<root>/.tmp-cas.lock``, which excludes other
+``put_if_match`` callers in this and other processes on the same machine (not plain ``put``).
+The tag is a hash of the content, so it never repeats for different data (an inode+mtime tag
+can, once an inode is reused within one clock tick).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+from mithril_async.errors import (
+    KeyExists,
+    KeyNotFound,
+    PreconditionFailed,
+    StorageError,
+    UnsafeKey,
+)
+from mithril_async.storage.base import (
+    RESERVED_PREFIX,
+    WriterContext,
+    check_key,
+    check_prefix,
+    check_range,
+    key_in_prefix,
+)
+
+T = TypeVar("T")
+
+LOCK_NAME = RESERVED_PREFIX + "cas.lock"
+_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+_WRITE_BUFFER = 1 << 20  # small writes are coalesced up to this size before a thread hop
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def content_tag(data: bytes | memoryview) -> str:
+    """The etag of a value: size + BLAKE2b-128 of the content."""
+    return f"{len(data):x}-{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+
+
+def _tmp_name(path: str) -> str:
+    base = os.path.basename(path)[:100]
+    return os.path.join(
+        os.path.dirname(path), f"{RESERVED_PREFIX}{base}.{os.getpid()}.{secrets.token_hex(4)}"
+    )
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _unlink_quiet(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class LocalStore:
+    """Keys map to files under ``root``; see the module docstring for guarantees."""
+
+    atomic_conditional_writes = True
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        """``durable=False`` skips fsyncs (only for tests/benchmarks on throwaway dirs)."""
+        os.makedirs(root, exist_ok=True)
+        self.root = os.path.realpath(root)
+        self.url = f"file://{self.root}/"
+        self.durable = durable
+
+    # -- paths and errors ------------------------------------------------------------------
+    def local_path(self, key: str) -> Path:
+        """The file that holds ``key`` (validated, inside the root). Blocking: it resolves
+        symlinks, so call it off the event loop where the disk may be slow."""
+        path = self._path(key)
+        self._confine(path)
+        return Path(path)
+
+    def _inside(self, real: str) -> bool:
+        return real == self.root or real.startswith(self.root + os.sep)
+
+    def _path(self, key: str) -> str:
+        """Lexical path of a validated key; no I/O, so safe on the event loop."""
+        return os.path.join(self.root, check_key(key))
+
+    def _confine(self, path: str) -> None:
+        """Refuse a path whose parent directory resolves outside the root (a symlinked
+        directory). Does I/O: runs on the worker thread with the operation itself."""
+        if not self._inside(os.path.realpath(os.path.dirname(path))):
+            key = os.path.relpath(path, self.root)
+            raise UnsafeKey(f"store key {key!r} resolves outside {self.url} (symlinked directory)")
+
+    def _check_prefix_dir(self, norm: str) -> None:
+        """Refuse a list/cleanup prefix that climbs out of the root through a symlink."""
+        if norm and not self._inside(os.path.realpath(os.path.join(self.root, norm))):
+            raise UnsafeKey(f"store prefix {norm!r} resolves outside {self.url}")
+
+    def _error(self, exc: OSError, op: str, key: str, path: str, *, reading: bool) -> Exception:
+        if exc.errno == errno.ELOOP:
+            return UnsafeKey(f"{op} {key!r}: {path} is a symlink, refused")
+        if reading and exc.errno in _MISSING:
+            return KeyNotFound(exc.errno, f"{op}: key {key!r} not found in {self.url}", path)
+        code = exc.errno if exc.errno is not None else errno.EIO
+        return StorageError(code, f"{op} {key!r} failed: {exc.strerror or exc}", path)
+
+    async def _run(
+        self, op: str, key: str, fn: Callable[[str], T], *, reading: bool, path: str | None = None
+    ) -> T:
+        p = self._path(key) if path is None else path
+
+        def confined() -> T:
+            if path is None:
+                self._confine(p)
+            return fn(p)
+
+        # A cancelled caller waits for the worker thread: the thread cannot be stopped, so
+        # the operation's effect (a claim linked, a file renamed) is settled before the
+        # CancelledError propagates and the caller's cleanup can see and undo it.
+        task = asyncio.ensure_future(asyncio.to_thread(confined))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancel is what the caller sees
+            raise
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise self._error(exc, op, key, p, reading=reading) from exc
+
+    def _fsync(self, fd: int) -> None:
+        if self.durable:
+            os.fsync(fd)
+
+    def _sync_dir(self, path: str) -> None:
+        if self.durable:
+            _fsync_dir(path)
+
+    def _makedirs(self, d: str) -> None:
+        """Create missing parents of a key, fsyncing each new entry so it survives a crash."""
+        missing: list[str] = []
+        cur = d
+        while not os.path.isdir(cur):
+            missing.append(cur)
+            cur = os.path.dirname(cur)
+        for m in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(m)
+            self._sync_dir(os.path.dirname(m))
+        if missing and not self._inside(os.path.realpath(d)):
+            raise UnsafeKey(f"directory {d} resolves outside {self.url}")
+
+    def _create_tmp(self, path: str) -> tuple[int, str]:
+        """Open a fresh temp file next to ``path``; retried if a concurrent delete pruned
+        the (empty) directory between mkdir and open."""
+        self._confine(path)
+        for attempt in range(5):
+            self._makedirs(os.path.dirname(path))
+            tmp = _tmp_name(path)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
+                continue
+            return fd, tmp
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _write_tmp(self, path: str, data: bytes | memoryview) -> str:
+        fd, tmp = self._create_tmp(path)
+        try:
+            _write_all(fd, data)
+            self._fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _prune(self, d: str) -> None:
+        """Remove now-empty parent directories up to (not including) the root."""
+        while d != self.root and self._inside(d):
+            try:
+                os.rmdir(d)
+            except OSError:
+                return
+            d = os.path.dirname(d)
+
+    @contextlib.contextmanager
+    def _cas_lock(self) -> Iterator[None]:
+        fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    # -- reads -----------------------------------------------------------------------------
+    @staticmethod
+    def _read(path: str) -> bytes:
+        fd = os.open(path, _OPEN_FLAGS)
+        with open(fd, "rb", buffering=0, closefd=True) as f:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+            return f.read()
+
+    async def get(self, key: str) -> bytes:
+        return await self._run("get", key, self._read, reading=True)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(key, start, length)
+
+        def read_range(path: str) -> bytes:
+            fd = os.open(path, _OPEN_FLAGS)
+            try:
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+                parts: list[bytes] = []
+                pos, left = start, length
+                while left > 0:
+                    chunk = os.pread(fd, left, pos)
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    pos += len(chunk)
+                    left -= len(chunk)
+                return b"".join(parts)
+            finally:
+                os.close(fd)
+
+        return await self._run("get_range", key, read_range, reading=True)
+
+    async def size(self, key: str) -> int:
+        def stat_size(path: str) -> int:
+            st = os.stat(path, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise OSError(errno.ELOOP, "symlink", path)
+            if not stat.S_ISREG(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+            return st.st_size
+
+        return await self._run("size", key, stat_size, reading=True)
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.size(key)
+        except KeyNotFound:
+            return False
+        return True
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        data = await self.get(key)
+        return data, await asyncio.to_thread(content_tag, data)
+
+    # -- writes ----------------------------------------------------------------------------
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        def put(path: str) -> None:
+            tmp = self._write_tmp(path, data)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
+            self._sync_dir(os.path.dirname(path))
+
+        await self._run("put", key, put, reading=False)
+
+    def _link_or_fail(self, tmp: str, path: str) -> bool:
+        """Publish ``tmp`` at ``path`` only if absent; False if the name already exists."""
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:  # file systems without hard links: fall back under the lock
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            with self._cas_lock():
+                if os.path.lexists(path):
+                    return False
+                os.rename(tmp, path)
+        self._sync_dir(os.path.dirname(path))
+        return True
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        def put_if_absent(path: str) -> bool:
+            if os.path.lexists(path):  # cheap early exit; the link below is the real check
+                return False
+            tmp = self._write_tmp(path, data)
+            try:
+                return self._link_or_fail(tmp, path)
+            finally:
+                _unlink_quiet(tmp)
+
+        if not await self._run("put_if_absent", key, put_if_absent, reading=False):
+            raise KeyExists(errno.EEXIST, f"key {key!r} already exists in {self.url}", key)
+
+    async def put_if_match(self, key: str, data: bytes | memoryview, etag: str | None) -> str:
+        new_tag = await asyncio.to_thread(content_tag, data)
+
+        def put_if_match(path: str) -> tuple[bool, str | None]:
+            tmp = self._write_tmp(path, data)
+            try:
+                with self._cas_lock():
+                    try:
+                        current: str | None = content_tag(self._read(path))
+                    except (FileNotFoundError, NotADirectoryError):
+                        current = None
+                    if current != etag:
+                        return False, current
+                    if etag is None:
+                        if not self._link_or_fail(tmp, path):  # created by a plain put
+                            return False, "<created concurrently>"
+                    else:
+                        os.rename(tmp, path)
+                        self._sync_dir(os.path.dirname(path))
+                return True, None
+            finally:
+                _unlink_quiet(tmp)
+
+        won, found = await self._run("put_if_match", key, put_if_match, reading=False)
+        if not won:
+            raise PreconditionFailed(
+                errno.EAGAIN,
+                f"conditional write of {key!r} in {self.url} lost: expected etag {etag!r}, "
+                f"found {found!r}",
+                key,
+            )
+        return new_tag
+
+    async def delete(self, key: str) -> None:
+        def delete(path: str) -> None:
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                return
+            except PermissionError:
+                if os.path.isdir(path):  # Linux reports EPERM for unlink() of a directory
+                    return
+                raise
+            self._sync_dir(os.path.dirname(path))
+            self._prune(os.path.dirname(path))
+
+        await self._run("delete", key, delete, reading=False)
+
+    def open_writer(self, key: str) -> LocalWriter:
+        return LocalWriter(self, key, self._path(key))
+
+    # -- listing and cleanup ---------------------------------------------------------------
+    def _walk(self, top: str, rel: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """Yield (key, entry) of regular files and reserved temp files below ``top``."""
+        try:
+            it = os.scandir(top)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        with it:
+            for entry in it:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    yield from self._walk(entry.path, key)
+                elif entry.is_file(follow_symlinks=False):
+                    yield key, entry
+
+    async def list(self, prefix: str) -> list[str]:
+        norm = check_prefix(prefix)
+
+        def list_keys(_: str) -> list[str]:
+            self._check_prefix_dir(norm)
+            top = os.path.join(self.root, norm) if norm else self.root
+            keys = []
+            if norm and os.path.isfile(top) and not os.path.islink(top):
+                keys.append(norm)
+            for key, _entry in self._walk(top, norm):
+                try:
+                    keys.append(check_key(key))
+                except UnsafeKey:  # temp/lock files and names no key can have
+                    continue
+            return sorted(k for k in keys if key_in_prefix(k, norm))
+
+        return await self._run("list", norm or ".", list_keys, reading=True, path=self.root)
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
+        """Delete ``.tmp-*`` files of killed writers under ``prefix`` (and the prefix key's
+        own temps beside it) whose mtime is at least ``older_than`` seconds old."""
+        norm = check_prefix(prefix)
+
+        def cleanup(_: str) -> int:
+            self._check_prefix_dir(norm)
+            now = time.time()
+            top = os.path.join(self.root, norm) if norm else self.root
+            candidates = [e for _k, e in self._walk(top, norm)]
+            if norm:  # temps of the key ``norm`` itself live in its parent directory
+                parent = os.path.dirname(top)
+                own = f"{RESERVED_PREFIX}{os.path.basename(top)[:100]}."
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    candidates += [e for e in os.scandir(parent) if e.name.startswith(own)]
+            removed = 0
+            for entry in candidates:
+                if not entry.name.startswith(RESERVED_PREFIX) or entry.name == LOCK_NAME:
+                    continue
+                try:
+                    if now - entry.stat(follow_symlinks=False).st_mtime < older_than:
+                        continue
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                removed += 1
+                self._prune(os.path.dirname(entry.path))
+            return removed
+
+        return await self._run(
+            "cleanup_incomplete", norm or ".", cleanup, reading=False, path=self.root
+        )
+
+    async def close(self) -> None:
+        return None
+
+
+class LocalWriter(WriterContext):
+    """Streams into ``.tmp-<name>.<pid>.<rand>`` beside the target; commit renames it.
+
+    Small writes are coalesced in memory up to 1 MiB; larger ones go straight to the file on a
+    worker thread. The caller's buffer is fully written before :meth:`write` returns, so it
+    may be reused. A failed write or commit removes the temp file itself.
+    """
+
+    def __init__(self, store: LocalStore, key: str, path: str) -> None:
+        self.key = key
+        self._store = store
+        self._path = path
+        self._fd: int | None = None
+        self._tmp: str | None = None
+        self._buf = bytearray()
+        self._size = 0
+        self._done = False
+        self._inflight: asyncio.Future[None] | None = None
+
+    async def _in_thread(self, op: str, fn: Callable[[], None]) -> None:
+        if self._done:
+            raise StorageError(f"{op} on a finished writer for {self.key!r} in {self._store.url}")
+        if self._inflight is not None and not self._inflight.done():
+            raise StorageError(f"concurrent {op} on the writer for {self.key!r}")
+        fut = asyncio.get_running_loop().run_in_executor(None, fn)
+        self._inflight = fut
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await self.abort()
+            raise
+        except OSError as exc:
+            self._discard()
+            if isinstance(exc, StorageError | UnsafeKey):
+                raise
+            raise self._store._error(exc, op, self.key, self._tmp or self._path,
+                                     reading=False) from exc
+        except BaseException:
+            self._discard()
+            raise
+
+    def _flush(self, extra: bytes | memoryview | None) -> None:
+        """Worker-thread body: create the temp on first use, then write buffer + extra."""
+        if self._fd is None:
+            self._fd, self._tmp = self._store._create_tmp(self._path)
+        if self._buf:
+            _write_all(self._fd, self._buf)
+            self._buf.clear()
+        if extra is not None:
+            _write_all(self._fd, extra)
+
+    async def write(self, data: bytes | memoryview) -> None:
+        n = memoryview(data).nbytes
+        if self._done:
+            raise StorageError(f"write on a finished writer for {self.key!r} in {self._store.url}")
+        if len(self._buf) + n <= _WRITE_BUFFER:
+            self._buf += data
+        else:
+            await self._in_thread("write", lambda: self._flush(data))
+        self._size += n
+
+    async def commit(self) -> int:
+        def commit() -> None:
+            self._flush(None)
+            assert self._fd is not None and self._tmp is not None
+            self._store._fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.rename(self._tmp, self._path)
+            self._tmp = None
+            self._store._sync_dir(os.path.dirname(self._path))
+
+        await self._in_thread("commit", commit)
+        self._done = True
+        return self._size
+
+    async def abort(self) -> None:
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait([self._inflight])  # let a cancelled write finish first
+        self._discard()
+
+    def _discard(self) -> None:
+        self._done = True
+        self._buf = bytearray()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+            self._tmp = None
+            self._store._prune(os.path.dirname(self._path))
+
+    def __del__(self) -> None:
+        """A writer dropped without commit/abort removes its temp file (best effort)."""
+        try:
+            if self._inflight is None or self._inflight.done():
+                self._discard()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass

@@ -1,0 +1,605 @@
+"""A Store on S3 or an S3-compatible server (R2, MinIO, moto) via aioboto3.
+
+Keys live under ``<prefix>/<key>`` in one bucket. Design points:
+
+- **Streaming multipart writes**: :class:`~mithril_async.storage.s3_writer.S3Writer` (bounded
+  concurrency and memory, part size growing past 1,000 parts). Every part and PUT carries a
+  CRC32 checksum (computed on a worker thread), which S3 verifies on receipt.
+- **Parallel reads**: ``get`` / ``get_range`` split large reads into part-sized ranged GETs run
+  concurrently (a HEAD beside the first range gives the size at once); the ranges are pinned
+  to one ETag (``IfMatch``), so a concurrent overwrite restarts the read instead of mixing
+  versions.
+- **Conditional writes**: ``IfNoneMatch="*"`` / ``IfMatch=<etag>`` on PutObject (S3 since
+  2024, moto >= 5.0.x). ``conditional_writes="auto"`` probes the server once; servers that
+  ignore the headers get a logged, *non-atomic* read-compare-write fallback and
+  ``atomic_conditional_writes`` becomes False.
+- **Retries**: botocore's "standard" mode retries 5xx, throttling (SlowDown), connection
+  errors and timeouts with jittered exponential backoff, up to ``max_attempts`` attempts per
+  request; streamed response bodies (not covered by botocore) are retried here the same way.
+  Permanent failures become :class:`StorageError` naming ``s3://bucket/key``; 404s become
+  :class:`KeyNotFound`. S3's "200 OK with an <Error> body" on CompleteMultipartUpload is turned
+  into a retryable 500 by botocore; a completion without an ETag is still refused here.
+- **No hangs**: ``Expect: 100-continue`` is dropped (aiohttp waits for the go-ahead without any
+  timeout), and every request has a generous watchdog (:meth:`S3Store.watchdog`) because
+  aiohttp has no timeout on sending a body to a server that stopped reading.
+- Credentials come from the standard AWS chain (env vars, profiles, instance roles); nothing
+  here reads or logs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import errno
+import logging
+import random
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+import aioboto3
+import aiohttp
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+
+from mithril_async.errors import (
+    KeyExists,
+    KeyNotFound,
+    PreconditionFailed,
+    StorageError,
+    UnsafeKey,
+)
+from mithril_async.storage.base import (
+    RESERVED_PREFIX,
+    as_bytes,
+    check_key,
+    check_prefix,
+    check_range,
+    key_in_prefix,
+)
+from mithril_async.storage.s3_writer import (
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    S3Writer,
+    crc32_async,
+    crc32_b64,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MIB = 1 << 20
+DEFAULT_PART_SIZE = 8 * MIB
+MIN_PART_SIZE = 5 * MIB
+WATCHDOG_MIN_RATE = 256 * 1024  # bytes/s below which a request counts as hung
+ConditionalMode = Literal["auto", "native", "emulate"]
+
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_TRANSIENT_STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientConnectionError,
+    asyncio.TimeoutError,
+    ConnectionError,
+    ResponseStreamingError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ConnectionClosedError,
+)
+_CALL_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def error_code(exc: BaseException) -> tuple[str, int | None]:
+    """(S3 error code, HTTP status) of a botocore ClientError, else ("", None)."""
+    if not isinstance(exc, ClientError):
+        return "", None
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code, status
+
+
+def is_precondition(exc: BaseException) -> bool:
+    code, status = error_code(exc)
+    return code in _PRECONDITION_CODES or status in (409, 412)
+
+
+def is_missing(exc: BaseException) -> bool:
+    code, status = error_code(exc)
+    if code in ("NoSuchBucket", "NoSuchUpload"):
+        return False
+    return code in _MISSING_CODES or status == 404
+
+
+def backoff(attempt: int, base: float = 0.05, cap: float = 5.0) -> float:
+    """Full-jitter exponential backoff, as botocore's standard mode uses."""
+    return random.uniform(0, min(cap, base * 2**attempt))
+
+
+class S3Store:
+    """S3-backed store; see the module docstring for guarantees and knobs."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = 8,
+        max_attempts: int = 5,
+        conditional_writes: ConditionalMode = "auto",
+        min_part_size: int = MIN_PART_SIZE,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        addressing_style: Literal["auto", "path", "virtual"] | None = None,
+        session: aioboto3.Session | None = None,
+    ) -> None:
+        """``min_part_size`` may only be lowered for test servers that accept smaller parts
+        (moto's ``S3_UPLOAD_PART_MIN_SIZE``); real S3 refuses parts below 5 MiB."""
+        if not bucket:
+            raise ValueError("S3Store needs a bucket name")
+        if not min_part_size <= part_size <= MAX_PART_SIZE:
+            raise ValueError(
+                f"part_size {part_size} outside [{min_part_size}, {MAX_PART_SIZE}] bytes"
+            )
+        if max_concurrency < 1 or max_attempts < 1:
+            raise ValueError("max_concurrency and max_attempts must be >= 1")
+        if conditional_writes not in ("auto", "native", "emulate"):
+            raise ValueError(f"conditional_writes: auto/native/emulate, not {conditional_writes}")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.url = f"s3://{bucket}/{self.prefix + '/' if self.prefix else ''}"
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.max_attempts = max_attempts
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.conditional_writes: ConditionalMode = conditional_writes
+        self.atomic_conditional_writes = conditional_writes != "emulate"
+        self._session = session or aioboto3.Session()
+        style = addressing_style or ("path" if endpoint_url else "auto")
+        self._config = Config(
+            region_name=region_name,
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            max_pool_connections=max(10, 2 * max_concurrency),
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            s3={"addressing_style": style},
+        )
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client_lock = asyncio.Lock()
+        self._probe_lock = asyncio.Lock()
+        self._warned_emulation = False
+
+    # -- plumbing --------------------------------------------------------------------------
+    async def client(self) -> Any:
+        """The aiobotocore S3 client, created on first use inside the running loop.
+
+        A client (its aiohttp session) belongs to one event loop; if the store is used from
+        a new loop (e.g. successive ``asyncio.run`` calls) a fresh client is made there.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop = loop
+            self._client, self._stack = None, None  # the old loop's client cannot run here
+            self._client_lock, self._probe_lock = asyncio.Lock(), asyncio.Lock()
+        if self._client is None:
+            async with self._client_lock:
+                if self._client is None:
+                    stack = contextlib.AsyncExitStack()
+                    self._client = await stack.enter_async_context(
+                        self._session.client(
+                            "s3",
+                            endpoint_url=self.endpoint_url,
+                            region_name=self.region_name,
+                            config=self._config,
+                        )
+                    )
+                    self._client.meta.events.register("before-send.s3", _drop_expect_continue)
+                    self._stack = stack
+        return self._client
+
+    async def close(self) -> None:
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def __aenter__(self) -> S3Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def full_key(self, key: str) -> str:
+        """The object key of a store key (validated)."""
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str | None:
+        if not self.prefix:
+            return full
+        head = self.prefix + "/"
+        return full[len(head) :] if full.startswith(head) else None
+
+    def _list_prefix(self, norm: str) -> str:
+        """The S3 string prefix covering a normalised store prefix (filtered afterwards)."""
+        if norm:
+            return self.full_key(norm)
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+
+    def error(self, exc: BaseException, op: str, key: str) -> StorageError:
+        """Map a botocore/aiohttp failure to a typed error naming bucket and key."""
+        where = self.where(key)
+        if is_missing(exc):
+            return KeyNotFound(errno.ENOENT, f"{op}: key {key!r} not found", where)
+        code, status = error_code(exc)
+        if code:
+            msg = exc.response.get("Error", {}).get("Message", "")  # type: ignore[attr-defined]
+            detail = f"{code} (HTTP {status}) {msg}".strip()
+            num = errno.EACCES if status == 403 else errno.EIO
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+            num = getattr(exc, "errno", None) or errno.EIO
+        return StorageError(num, f"{op} failed after retries: {detail}", where)
+
+    def watchdog(self, nbytes: int) -> float:
+        """Seconds after which a request (with all of botocore's retries) is given up.
+
+        A safety net, not the retry mechanism: aiohttp has no timeout on *sending* a body, so
+        a server that stops reading would otherwise hang a save forever."""
+        per_try = self.connect_timeout + self.read_timeout + nbytes / WATCHDOG_MIN_RATE
+        return self.max_attempts * per_try + 20.0 * (self.max_attempts - 1)
+
+    async def call(self, op: str, key: str, method: str, nbytes: int = 0, **kwargs: Any) -> Any:
+        """Call a client method, mapping every failure through :meth:`error`."""
+        client = await self.client()
+        deadline = self.watchdog(nbytes)
+        try:
+            return await asyncio.wait_for(
+                getattr(client, method)(Bucket=self.bucket, **kwargs), deadline
+            )
+        except TimeoutError as exc:
+            raise StorageError(
+                errno.ETIMEDOUT, f"{op} got no answer within {deadline:.0f} s", self.where(key)
+            ) from exc
+        except _CALL_ERRORS as exc:
+            raise self.error(exc, op, key) from exc
+
+    async def _retry_stream(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Retry a request whose *body read* failed transiently (botocore only retries
+        until the headers arrive)."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return await fn()  # StorageErrors from the request itself: botocore retried
+            except _TRANSIENT_STREAM_ERRORS as exc:
+                if attempt == self.max_attempts:
+                    raise self.error(exc, op, key) from exc
+            log.debug("retrying %s of %s (attempt %d)", op, self.where(key), attempt + 1)
+            await asyncio.sleep(backoff(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- reads -----------------------------------------------------------------------------
+    async def _get_once(
+        self, op: str, key: str, start: int | None, end: int | None, if_match: str | None
+    ) -> tuple[bytes, dict[str, Any]]:
+        """One (ranged) GET with its body fully read; ``end`` is inclusive."""
+        kwargs: dict[str, Any] = {"Key": self.full_key(key)}
+        if start is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end}"
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+
+        async def attempt() -> tuple[bytes, dict[str, Any]]:
+            resp = await self.call(op, key, "get_object", **kwargs)
+            async with resp["Body"] as body:
+                data = await body.read()
+            return data, resp
+
+        return await self._retry_stream(op, key, attempt)
+
+    async def _first_range(self, op: str, key: str, start: int, n: int) -> tuple[bytes, str]:
+        """GET ``n`` bytes from ``start``; past the end (or on an empty object) that is
+        ``b""`` - after a HEAD, so a missing key still raises :class:`KeyNotFound`."""
+        try:
+            data, resp = await self._get_once(op, key, start, start + n - 1, None)
+        except StorageError as exc:
+            if error_code(exc.__cause__ or exc)[0] != "InvalidRange":
+                raise
+            resp = await self.call(op, key, "head_object", Key=self.full_key(key))
+            return b"", str(resp.get("ETag", ""))
+        return data, str(resp.get("ETag", ""))
+
+    async def _read(self, op: str, key: str, start: int, length: int | None) -> tuple[bytes, str]:
+        """Read ``length`` bytes (``None``: to the end) from ``start``; returns (data, etag)."""
+        for _attempt in range(self.max_attempts):
+            result = await self._read_once(op, key, start, length)
+            if result is not None:
+                return result
+            log.debug("%s changed during a parallel read; restarting", self.where(key))
+        raise StorageError(
+            errno.EAGAIN, f"{op}: object kept changing during the read", self.where(key)
+        )
+
+    async def _read_once(
+        self, op: str, key: str, start: int, length: int | None
+    ) -> tuple[bytes, str] | None:
+        """One try of :meth:`_read`; ``None`` when the object was replaced meanwhile.
+
+        The first part-sized range is fetched at once. When the read may span more than one
+        range, a HEAD runs beside it: its size lets the remaining ranges start without
+        waiting for the first one, and its ETag pins them (``IfMatch``) to one version.
+        """
+        chunk = self.part_size
+        first_len = chunk if length is None else min(chunk, length)
+        first = asyncio.ensure_future(self._first_range(op, key, start, first_len))
+        tasks: list[asyncio.Future[Any]] = [first]
+        try:
+            if length is not None and length <= chunk:
+                return await first
+            head = asyncio.ensure_future(
+                self.call(op, key, "head_object", Key=self.full_key(key))
+            )
+            tasks.append(head)
+            try:
+                meta = await head
+            except StorageError:
+                # a HEAD error has no body (404 could be NoSuchKey or NoSuchBucket): report
+                # the GET's precise error where there is one
+                await first
+                raise
+            etag, total = str(meta.get("ETag", "")), int(meta["ContentLength"])
+            stop = total if length is None else min(total, start + length)
+            if start >= stop:
+                return b"", etag
+            sem = asyncio.Semaphore(self.max_concurrency)
+
+            async def fetch(off: int) -> bytes:
+                async with sem:
+                    data, _ = await self._get_once(op, key, off, min(off + chunk, stop) - 1, etag)
+                    return data
+
+            rest = [asyncio.ensure_future(fetch(o)) for o in range(start + first_len, stop, chunk)]
+            tasks += rest
+            data, first_etag = await first
+            if first_etag != etag:
+                return None
+            pieces = [data, *await asyncio.gather(*rest)]
+        except StorageError as exc:
+            if is_precondition(exc.__cause__ or exc):
+                return None
+            raise
+        finally:  # on any exit stop what is still running and collect every outcome
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if stop - start > 4 * chunk:  # a big memcpy: keep it off the event loop
+            return await asyncio.to_thread(b"".join, pieces), etag
+        return b"".join(pieces), etag
+
+    async def get(self, key: str) -> bytes:
+        return (await self._read("get", key, 0, None))[0]
+
+    async def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        return await self._read("get_with_etag", key, 0, None)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(key, start, length)
+        if length == 0:
+            await self.size(key)  # still report a missing key
+            return b""
+        return (await self._read("get_range", key, start, length))[0]
+
+    async def size(self, key: str) -> int:
+        resp = await self.call("size", key, "head_object", Key=self.full_key(key))
+        return int(resp["ContentLength"])
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.size(key)
+        except KeyNotFound:
+            return False
+        return True
+
+    async def list(self, prefix: str) -> list[str]:
+        norm = check_prefix(prefix)
+        list_prefix = self._list_prefix(norm)
+        client = await self.client()
+        keys: list[str] = []
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=list_prefix
+            )
+            async for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = self._rel(obj["Key"])
+                    if rel is None or not key_in_prefix(rel, norm):
+                        continue
+                    with contextlib.suppress(UnsafeKey):
+                        keys.append(check_key(rel))
+        except _CALL_ERRORS as exc:
+            raise self.error(exc, "list", norm or "") from exc
+        return sorted(keys)
+
+    # -- writes ----------------------------------------------------------------------------
+    async def _put(self, op: str, key: str, data: bytes | memoryview, **extra: Any) -> str:
+        body = as_bytes(data)
+        resp = await self.call(
+            op,
+            key,
+            "put_object",
+            nbytes=len(body),
+            Key=self.full_key(key),
+            Body=body,
+            ChecksumAlgorithm="CRC32",
+            ChecksumCRC32=await crc32_async(body),
+            **extra,
+        )
+        return str(resp.get("ETag", ""))
+
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self._put("put", key, data)
+
+    async def delete(self, key: str) -> None:
+        await self.call("delete", key, "delete_object", Key=self.full_key(key))
+
+    async def detect_conditional_writes(self) -> bool:
+        """Probe (once) whether the server honours ``If-None-Match: *`` on PutObject; sets
+        and returns :attr:`atomic_conditional_writes`."""
+        await self.client()  # (re)binds the locks to the running loop
+        async with self._probe_lock:
+            if self.conditional_writes != "auto":
+                return self.atomic_conditional_writes
+            probe = f"{RESERVED_PREFIX}probe-{secrets.token_hex(6)}"
+            full = f"{self.prefix}/{probe}" if self.prefix else probe
+            client = await self.client()
+            try:
+                await client.put_object(Bucket=self.bucket, Key=full, Body=b"")
+                try:
+                    await client.put_object(Bucket=self.bucket, Key=full, Body=b"", IfNoneMatch="*")
+                    honoured = False
+                except ClientError as exc:
+                    honoured = is_precondition(exc)
+                    if not honoured:
+                        log.info("conditional PutObject refused by %s: %s", self.url, exc)
+            except _CALL_ERRORS as exc:
+                raise self.error(exc, "detect_conditional_writes", probe) from exc
+            finally:
+                with contextlib.suppress(*_CALL_ERRORS):
+                    await client.delete_object(Bucket=self.bucket, Key=full)
+            self.conditional_writes = "native" if honoured else "emulate"
+            self.atomic_conditional_writes = honoured
+            return honoured
+
+    async def _native(self) -> bool:
+        if self.conditional_writes == "auto":
+            await self.detect_conditional_writes()
+        if self.conditional_writes == "emulate" and not self._warned_emulation:
+            self._warned_emulation = True
+            log.warning(
+                "%s: server lacks conditional PutObject; put_if_absent/put_if_match fall back "
+                "to a NON-ATOMIC read-compare-write (concurrent writers can both win)",
+                self.url,
+            )
+        return self.conditional_writes == "native"
+
+    async def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        self.full_key(key)
+        if await self._native():
+            try:
+                await self._put("put_if_absent", key, data, IfNoneMatch="*")
+            except StorageError as exc:
+                if is_precondition(exc.__cause__ or exc):
+                    raise KeyExists(errno.EEXIST, "key already exists", self.where(key)) from exc
+                raise
+            return
+        if await self.exists(key):
+            raise KeyExists(errno.EEXIST, "key already exists", self.where(key))
+        await self._put("put_if_absent", key, data)
+
+    async def put_if_match(self, key: str, data: bytes | memoryview, etag: str | None) -> str:
+        self.full_key(key)
+
+        def lost(found: str | None) -> PreconditionFailed:
+            return PreconditionFailed(
+                errno.EAGAIN,
+                f"conditional write lost: expected etag {etag!r}, found {found!r}",
+                self.where(key),
+            )
+
+        if await self._native():
+            cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+            try:
+                return await self._put("put_if_match", key, data, **cond)
+            except StorageError as exc:
+                cause = exc.__cause__ or exc
+                if is_precondition(cause) or (etag is not None and is_missing(cause)):
+                    raise lost("<changed>") from exc
+                raise
+        try:
+            head = await self.call("put_if_match", key, "head_object", Key=self.full_key(key))
+            current: str | None = str(head.get("ETag", ""))
+        except KeyNotFound:
+            current = None
+        if current != etag:
+            raise lost(current)
+        return await self._put("put_if_match", key, data)
+
+    def open_writer(self, key: str, size_hint: int | None = None) -> S3Writer:
+        """Stream ``key`` as a multipart upload; ``size_hint`` (bytes) only picks a larger
+        initial part size for huge blobs."""
+        return S3Writer(self, key, size_hint)
+
+    async def list_incomplete(self, prefix: str) -> builtins.list[tuple[str, str, datetime]]:
+        """(key, upload id, initiated) of multipart uploads under ``prefix``."""
+        norm = check_prefix(prefix)
+        list_prefix = self._list_prefix(norm)
+        client = await self.client()
+        found: builtins.list[tuple[str, str, datetime]] = []
+        try:
+            pages = client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=list_prefix
+            )
+            async for page in pages:
+                for up in page.get("Uploads", []):
+                    rel = self._rel(up["Key"])
+                    if rel is not None and key_in_prefix(rel, norm):
+                        found.append((rel, up["UploadId"], up["Initiated"]))
+        except _CALL_ERRORS as exc:
+            raise self.error(exc, "cleanup_incomplete", norm) from exc
+        return found
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one multipart upload; an upload that is already gone is not an error."""
+        full = f"{self.prefix}/{key}" if self.prefix else key
+        try:
+            await self.call("abort", key, "abort_multipart_upload", Key=full, UploadId=upload_id)
+        except StorageError as exc:
+            code, status = error_code(exc.__cause__ or exc)
+            if code != "NoSuchUpload" and status != 404:
+                raise
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
+        """Abort multipart uploads under ``prefix`` started ``older_than`` seconds ago or
+        earlier (orphans of killed processes)."""
+        now = datetime.now(UTC)
+        removed = 0
+        for key, upload_id, initiated in await self.list_incomplete(prefix):
+            if initiated.tzinfo is None:
+                initiated = initiated.replace(tzinfo=UTC)
+            if (now - initiated).total_seconds() < older_than:
+                continue
+            await self.abort_upload(key, upload_id)
+            log.info("aborted incomplete multipart upload %s of %s", upload_id, self.where(key))
+            removed += 1
+        return removed
+
+
+def _drop_expect_continue(request: Any, **_: Any) -> None:
+    """botocore asks for ``Expect: 100-continue`` on PUTs; aiohttp then waits for the
+    server's go-ahead with *no* timeout, so a stalled server hangs the upload. Without it the
+    body is sent at once and the read timeout covers the wait for the answer (and one round
+    trip per part is saved). The header is not signed, so removing it is safe."""
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
+
+
+__all__ = ["MAX_PARTS", "MAX_PART_SIZE", "S3Store", "S3Writer", "crc32_b64"]

@@ -1,0 +1,227 @@
+"""Streaming multipart upload of one S3 key (:class:`S3Writer`), used by ``S3Store``.
+
+Parts are uploaded while the caller keeps writing, at most ``max_concurrency`` at a time, so
+memory stays at about ``(max_concurrency + 2) * part_size``; a blob smaller than one part
+becomes a single PUT at commit. The part size doubles every 1,000 parts (capped at 5 GiB), so
+a blob never hits S3's 10,000-part limit however large it grows. Every part carries a CRC32
+(``x-amz-checksum-crc32``, computed on a worker thread) that S3 verifies on receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import logging
+import zlib
+from typing import TYPE_CHECKING, Any, Literal
+
+from mithril_async.errors import StorageError
+from mithril_async.storage.base import WriterContext
+
+if TYPE_CHECKING:
+    from mithril_async.storage.s3 import S3Store
+
+log = logging.getLogger("mithril_async.storage.s3")
+
+MIB = 1 << 20
+MAX_PART_SIZE = 5 * 1024 * MIB
+MAX_PARTS = 10_000
+PARTS_PER_SIZE_STEP = 1_000
+
+
+def crc32_b64(data: bytes | bytearray | memoryview) -> str:
+    """The base64 big-endian CRC32 S3 expects in ``x-amz-checksum-crc32``."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+
+
+async def crc32_async(data: bytes | bytearray | memoryview) -> str:
+    """CRC32 off the event loop for anything bigger than a few pages."""
+    if len(data) < 256 * 1024:
+        return crc32_b64(data)
+    return await asyncio.to_thread(crc32_b64, data)
+
+
+
+
+class S3Writer(WriterContext):
+    """Streaming multipart upload of one key; see the module docstring.
+
+    A failure of any part (after botocore's retries) aborts the whole upload and is raised
+    by the next :meth:`write` or by :meth:`commit`. Cancellation is safe: :meth:`abort`
+    waits for an in-flight CreateMultipartUpload so its upload id is never lost.
+    """
+
+    def __init__(self, store: S3Store, key: str, size_hint: int | None) -> None:
+        self.key = key
+        self._store = store
+        self._full = store.full_key(key)
+        base = store.part_size
+        if size_hint:
+            base = max(base, -(-size_hint // MAX_PARTS))
+        self._base_part = min(base, MAX_PART_SIZE)
+        self._buf = bytearray(self._part_size(1))  # zero pages are not touched until written
+        self._fill = 0
+        self._size = 0
+        self._parts_started = 0
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(store.max_concurrency)
+        self._create: asyncio.Task[str] | None = None
+        self._upload_id: str | None = None
+        self._failure: BaseException | None = None
+        self._state: Literal["open", "committed", "aborted"] = "open"
+
+    @property
+    def upload_id(self) -> str | None:
+        """The multipart upload id once one has been started (tests and diagnostics)."""
+        return self._upload_id
+
+    def _part_size(self, number: int) -> int:
+        return min(MAX_PART_SIZE, self._base_part * 2 ** ((number - 1) // PARTS_PER_SIZE_STEP))
+
+    def _check_open(self, op: str) -> None:
+        if self._state != "open":
+            raise StorageError(
+                errno.EINVAL, f"{op} on a {self._state} writer", self._store.where(self.key)
+            )
+
+    async def _fail_if_part_failed(self) -> None:
+        if self._failure is not None:
+            failure = self._failure
+            await self.abort()
+            raise failure
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self._check_open("write")
+        await self._fail_if_part_failed()
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(self._buf) - self._fill, len(view))
+            self._buf[self._fill : self._fill + take] = view[:take]
+            self._fill += take
+            self._size += take
+            view = view[take:]
+            if self._fill == len(self._buf):
+                part, self._fill = self._buf, 0
+                self._buf = bytearray(self._part_size(self._parts_started + 2))
+                try:
+                    await self._submit(part)
+                except Exception:
+                    await self.abort()
+                    raise
+
+    async def _start_upload(self) -> str:
+        resp = await self._store.call(
+            "open_writer",
+            self.key,
+            "create_multipart_upload",
+            Key=self._full,
+            ChecksumAlgorithm="CRC32",
+        )
+        return str(resp["UploadId"])
+
+    async def _submit(self, part: bytes | bytearray) -> None:
+        """Start uploading the next part; waits while ``max_concurrency`` are in flight."""
+        if self._create is None:
+            self._create = asyncio.ensure_future(self._start_upload())
+        if self._upload_id is None:
+            self._upload_id = await asyncio.shield(self._create)
+        number = self._parts_started + 1
+        if number > MAX_PARTS:
+            raise StorageError(
+                errno.EFBIG, f"blob needs more than {MAX_PARTS} parts", self._store.where(self.key)
+            )
+        await self._slots.acquire()
+        if self._failure is not None:  # an earlier part failed for good: stop uploading
+            self._slots.release()
+            await self._fail_if_part_failed()
+        self._parts_started = number
+        task = asyncio.create_task(self._upload_part(number, part, self._upload_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._part_done)
+
+    def _part_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            self._failure = task.exception()
+
+    async def _upload_part(self, number: int, part: bytes | bytearray, upload_id: str) -> None:
+        try:
+            crc = await crc32_async(part)
+            resp = await self._store.call(
+                "write",
+                self.key,
+                "upload_part",
+                nbytes=len(part),
+                Key=self._full,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=part,
+                ChecksumAlgorithm="CRC32",
+                ChecksumCRC32=crc,
+            )
+            self._parts[number] = {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": crc}
+        finally:
+            self._slots.release()
+
+    async def commit(self) -> int:
+        self._check_open("commit")
+        try:
+            await self._fail_if_part_failed()
+            if self._create is None:  # smaller than one part: a single PUT
+                await self._store._put("commit", self.key, bytes(self._buf[: self._fill]))
+            else:
+                if self._fill:
+                    await self._submit(bytes(self._buf[: self._fill]))
+                self._buf, self._fill = bytearray(), 0
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks))
+                await self._fail_if_part_failed()
+                parts = [self._parts[n] for n in range(1, self._parts_started + 1)]
+                resp = await self._store.call(
+                    "commit",
+                    self.key,
+                    "complete_multipart_upload",
+                    Key=self._full,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+                if not resp.get("ETag"):
+                    raise StorageError(
+                        errno.EIO,
+                        f"CompleteMultipartUpload returned no ETag: {resp!r}",
+                        self._store.where(self.key),
+                    )
+        except BaseException:
+            await self.abort()
+            raise
+        self._state = "committed"
+        self._buf = bytearray()
+        return self._size
+
+    async def abort(self) -> None:
+        """Cancel part uploads and abort the multipart upload; never raises (a failed abort
+        is logged and left to :meth:`S3Store.cleanup_incomplete`)."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._buf, self._fill = bytearray(), 0
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+        if self._create is not None and self._upload_id is None:
+            await asyncio.wait([self._create])  # a cancelled write may have left it running
+            if not self._create.cancelled() and self._create.exception() is None:
+                self._upload_id = self._create.result()
+        if self._upload_id is not None:
+            try:
+                await asyncio.shield(self._store.abort_upload(self.key, self._upload_id))
+            except Exception as exc:
+                log.warning(
+                    "could not abort multipart upload %s of %s: %s (cleanup_incomplete will)",
+                    self._upload_id,
+                    self._store.where(self.key),
+                    exc,
+                )

@@ -1,0 +1,351 @@
+"""A real S3-compatible server for tests: moto's ``ThreadedMotoServer`` on 127.0.0.1, plus a
+small fault-injecting HTTP proxy that can sit between a client and it.
+
+Reusable from any test folder::
+
+    from tests.s3_server import MotoS3
+    with MotoS3() as s3:            # starts the server, dummy credentials in the env
+        s3.endpoint_url, s3.bucket, s3.client (a sync boto3 client for inspection)
+
+Two deliberate adjustments, both documented where they are made:
+
+- ``S3_UPLOAD_PART_MIN_SIZE`` is lowered (moto reads it when ``moto.settings`` is imported,
+  and ``moto.s3.models`` copies it), so multipart tests need megabytes, not hundreds of them.
+- moto checks ``If-None-Match`` / ``If-Match`` and then writes without a lock, so two
+  concurrent conditional PUTs can both succeed there, unlike on S3. The server wraps its WSGI
+  app so conditional writes are serialised, restoring S3's atomic semantics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+SMALL_PART = 256 * 1024
+os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", str(SMALL_PART))
+os.environ.setdefault("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(16 << 20))
+
+import boto3  # noqa: E402
+import moto.s3.models  # noqa: E402
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer  # noqa: E402
+from moto.moto_server.werkzeug_app import (  # noqa: E402
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
+from werkzeug.serving import make_server  # noqa: E402
+
+# moto.s3.models copied the setting at import; make sure the small size is the one in force
+moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = int(os.environ["S3_UPLOAD_PART_MIN_SIZE"])
+
+DUMMY_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+UNSET_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL")
+
+
+class _SerialConditionalWrites:
+    """WSGI wrapper running conditional PUT/POST requests one at a time (see module doc)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        conditional = environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH")
+        if conditional and environ.get("REQUEST_METHOD") in ("PUT", "POST"):
+            with self.lock:
+                return list(self.app(environ, start_response))
+        return self.app(environ, start_response)  # type: ignore[no-any-return]
+
+
+class _Server(ThreadedMotoServer):
+    def _server_entry(self) -> None:
+        app = _SerialConditionalWrites(DomainDispatcherApplication(create_backend_app))
+        self._server = make_server(
+            self._ip_address, self._port, app, True, request_handler=MotoRequestHandler
+        )
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoS3:
+    """Context manager: moto S3 on a free loopback port, one bucket, dummy credentials."""
+
+    def __init__(self, bucket: str = "mithril-test") -> None:
+        self.bucket = bucket
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._server = _Server(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._saved: dict[str, str | None] = {}
+        self.client: Any = None
+
+    def __enter__(self) -> MotoS3:
+        for name in (*DUMMY_ENV, *UNSET_ENV):
+            self._saved[name] = os.environ.get(name)
+        os.environ.update(DUMMY_ENV)
+        for name in UNSET_ENV:
+            os.environ.pop(name, None)
+        self._server.start()
+        self.client = boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1")
+        self.client.create_bucket(Bucket=self.bucket)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop()
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    def unique_prefix(self, label: str = "t") -> str:
+        return f"{label}-{uuid.uuid4().hex[:12]}"
+
+    def uploads(self, prefix: str) -> list[dict[str, Any]]:
+        """In-progress multipart uploads under ``prefix``."""
+        resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
+        return list(resp.get("Uploads", []))
+
+    def objects(self, prefix: str) -> list[str]:
+        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return [o["Key"] for o in resp.get("Contents", [])]
+
+
+# -- fault-injecting proxy -----------------------------------------------------------------
+@dataclass
+class ProxyRequest:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body_size: int
+
+    @property
+    def is_upload_part(self) -> bool:
+        return self.method == "PUT" and "partNumber" in self.query and "uploadId" in self.query
+
+    @property
+    def is_complete(self) -> bool:
+        return self.method == "POST" and "uploadId" in self.query
+
+    @property
+    def is_create_multipart(self) -> bool:
+        return self.method == "POST" and "uploads" in self.query
+
+
+@dataclass
+class Fault:
+    """Fail requests matching ``match``. ``action``: ``"500"``; ``"503"`` (SlowDown);
+    ``"reset"`` (close the connection without answering); ``"stall"`` (answer nothing for
+    3 s, then reset); ``"truncate"`` (forward, but cut the response body in half);
+    ``"200error"`` (a 200 OK whose body is an S3 <Error>); ``"delay"`` (forward after 0.3 s).
+    ``times=None`` fails forever."""
+
+    match: Callable[[ProxyRequest], bool]
+    action: str = "500"
+    times: int | None = 1
+    hits: int = 0
+
+
+_ERROR_BODY = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+    "<Message>injected by FaultProxy</Message><RequestId>fault</RequestId></Error>"
+)
+
+
+@dataclass
+class FaultProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 (own thread + event loop) in front of ``upstream``.
+
+    Every request is forwarded on a fresh upstream connection and answered with
+    ``Connection: close``, which keeps the proxy tiny; the client just reconnects.
+    """
+
+    upstream_port: int
+    faults: list[Fault] = field(default_factory=list)
+    log: list[ProxyRequest] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fault-proxy")
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # finish (cancel) stalled handlers inside the loop: a coroutine left pending would be
+        # finalised later by the GC at an arbitrary point of some other test
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def fail(
+        self, match: Callable[[ProxyRequest], bool], action: str = "500", times: int | None = 1
+    ) -> Fault:
+        fault = Fault(match, action, times)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        with self._lock:
+            self.faults.clear()
+            self.log.clear()
+            self.max_in_flight = 0
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port, limit=1 << 20)
+        )
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            self._loop.close()
+
+    def _decide(self, req: ProxyRequest) -> str:
+        with self._lock:
+            self.log.append(req)
+            for fault in self.faults:
+                if (fault.times is None or fault.hits < fault.times) and fault.match(req):
+                    fault.hits += 1
+                    return fault.action
+        return "pass"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _version = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, value = line.split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+        size = int(headers.get("content-length", "0"))
+        url = urlsplit(target)
+        req = ProxyRequest(
+            method, url.path, parse_qs(url.query, keep_blank_values=True), headers, size
+        )
+        action = self._decide(req)
+        body = b""
+        if action in ("pass", "delay", "truncate"):
+            if headers.get("expect", "").lower() == "100-continue":  # botocore sends it
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
+                lines = [ln for ln in lines if not ln.lower().startswith("expect:")]
+            body = await reader.readexactly(size)
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if action == "reset":
+                writer.transport.abort()
+                return
+            if action == "stall":  # never answer: the client's read timeout must fire
+                await asyncio.sleep(3)
+                writer.transport.abort()
+                return
+            if action in ("500", "503", "200error"):
+                status, code = {
+                    "500": ("500 Internal Server Error", "InternalError"),
+                    "503": ("503 Slow Down", "SlowDown"),
+                    "200error": ("200 OK", "InternalError"),
+                }[action]
+                payload = _ERROR_BODY.format(code=code).encode()
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+                    f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                    + payload
+                )
+            elif action == "delay":  # a slow but successful request
+                await asyncio.sleep(0.3)
+                writer.write(await self._forward(lines, headers, body))
+            elif action == "truncate":  # headers and half the body, then a reset
+                response = await self._forward(lines, headers, body)
+                head, _, payload = response.partition(b"\r\n\r\n")
+                writer.write(head + b"\r\n\r\n" + payload[: len(payload) // 2])
+                await writer.drain()
+                writer.transport.abort()
+                return
+            else:
+                writer.write(await self._forward(lines, headers, body))
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+            writer.close()
+
+    async def _forward(self, lines: list[str], headers: dict[str, str], body: bytes) -> bytes:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        try:
+            kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith("connection:")]
+            request = "\r\n".join([lines[0], *kept, "Connection: close", "", ""]).encode()
+            up_writer.write(request + body)
+            await up_writer.drain()
+            response = await up_reader.read()
+        finally:
+            up_writer.close()
+        # tell the client this connection ends here, so it never reuses a closing socket
+        head, sep, rest = response.partition(b"\r\n\r\n")
+        head_lines = [
+            ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"connection:")
+        ]
+        return b"\r\n".join([*head_lines, b"Connection: close"]) + sep + rest
+
+
+@contextlib.contextmanager
+def fault_proxy(server: MotoS3) -> Iterator[FaultProxy]:
+    with FaultProxy(server.port) as proxy:
+        yield proxy
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()

@@ -1,0 +1,260 @@
+"""LocalStore: the conformance suite plus file-system specifics (symlinks, temp files,
+errno mapping, cross-process compare-and-swap)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mithril_async.errors import KeyNotFound, StorageError, UnsafeKey
+from mithril_async.storage import LocalStore, MemoryStore, open_store
+from mithril_async.storage.local import LOCK_NAME
+from tests.storage.conformance import StoreConformance, payload
+
+
+@dataclass
+class LocalFactory:
+    root: Path
+    spill_size: int = 1 << 20  # LocalWriter buffers this much before creating the temp file
+    knows_upload_age: bool = True
+    large_size: int = 12 << 20
+
+    def new(self) -> LocalStore:
+        return LocalStore(self.root)
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def factory(self, tmp_path: Path) -> LocalFactory:
+        return LocalFactory(tmp_path / "store")
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file below ``root`` except the (permanent) compare-and-swap lock file."""
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if not p.is_dir() and p.name != LOCK_NAME
+    )
+
+
+def test_symlinked_directory_pointing_outside_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link").symlink_to(outside, target_is_directory=True)
+
+    async def body() -> None:
+        s = LocalStore(root)
+        with pytest.raises(UnsafeKey):
+            await s.get("link/secret")
+        with pytest.raises(UnsafeKey):
+            await s.put("link/planted", b"x")
+        with pytest.raises(UnsafeKey):
+            await s.put("link/deeper/planted", b"x")
+        w = s.open_writer("link/w")  # the check needs I/O: it runs with the first flush
+        with pytest.raises(UnsafeKey):
+            await w.write(b"x")
+            await w.commit()
+        with pytest.raises(UnsafeKey):
+            await s.delete("link/secret")
+        with pytest.raises(UnsafeKey):
+            await s.list("link/")
+        assert await s.list("") == []  # the walk does not follow the link
+
+    asyncio.run(body())
+    assert sorted(os.listdir(outside)) == ["secret"]
+
+
+def test_symlinked_file_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"secret")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "alias").symlink_to(secret)
+
+    async def body() -> None:
+        s = LocalStore(root)
+        for call in (s.get, s.size, s.exists, s.get_with_etag):
+            with pytest.raises(UnsafeKey):
+                await call("alias")
+        with pytest.raises(UnsafeKey):
+            await s.get_range("alias", 0, 3)
+        assert await s.list("") == []
+        await s.put("alias", b"replaced")  # rename replaces the link itself, not its target
+        assert await s.get("alias") == b"replaced"
+
+    asyncio.run(body())
+    assert secret.read_bytes() == b"secret"
+
+
+def test_symlink_inside_root_is_allowed(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "real").mkdir(parents=True)
+    (root / "alias").symlink_to(root / "real", target_is_directory=True)
+
+    async def body() -> None:
+        s = LocalStore(root)
+        await s.put("alias/x", b"1")
+        assert await s.get("real/x") == b"1"
+
+    asyncio.run(body())
+
+
+def test_no_temp_files_left_and_planted_temps_ignored(tmp_path: Path) -> None:
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        await s.put("a/b", b"1")
+        await s.put_if_absent("a/c", b"2")
+        await s.put_if_match("a/d", b"3", None)
+        w = s.open_writer("a/e")
+        await w.write(payload(3 << 20))
+        await w.commit()
+        assert files_under(tmp_path) == ["a/b", "a/c", "a/d", "a/e"]
+        (tmp_path / "a" / ".tmp-x.123.abcd").write_bytes(b"junk")
+        (tmp_path / "a" / "bad name").write_bytes(b"junk")
+        assert await s.list("") == ["a/b", "a/c", "a/d", "a/e"]
+
+    asyncio.run(body())
+
+
+def test_writer_temp_lives_beside_target(tmp_path: Path) -> None:
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        w = s.open_writer("d/blob")
+        await w.write(payload(2 << 20))
+        names = os.listdir(tmp_path / "d")
+        assert len(names) == 1 and names[0].startswith(".tmp-blob.")
+        await w.commit()
+        assert os.listdir(tmp_path / "d") == ["blob"]
+
+    asyncio.run(body())
+
+
+def test_cleanup_incomplete_planted_temps_by_age(tmp_path: Path) -> None:
+    d = tmp_path / "runs" / "r"
+    d.mkdir(parents=True)
+    old, new = d / ".tmp-blob.1.aaaa", d / ".tmp-blob.2.bbbb"
+    old.write_bytes(b"x")
+    new.write_bytes(b"y")
+    os.utime(old, (1, 1))
+    (tmp_path / LOCK_NAME).write_bytes(b"")
+
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        assert await s.cleanup_incomplete("runs", older_than=60) == 1
+        assert not old.exists() and new.exists()
+        assert await s.cleanup_incomplete("runs/r/blob") == 1  # temps of that very key
+        assert await s.cleanup_incomplete("") == 0
+        assert (tmp_path / LOCK_NAME).exists()  # the lock file is never removed
+
+    asyncio.run(body())
+    assert not (tmp_path / "runs").exists()  # emptied directories are pruned
+
+
+def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        await s.put("x/y/z", b"1")
+        await s.put("x/w", b"1")
+        await s.delete("x/y/z")
+        assert not (tmp_path / "x" / "y").exists()
+        assert (tmp_path / "x").exists()
+
+    asyncio.run(body())
+
+
+def _raise_enospc(*_args: object, **_kwargs: object) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_enospc_keeps_errno_names_path_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        await s.put("keep", b"old")
+        monkeypatch.setattr("mithril_async.storage.local.os.write", _raise_enospc)
+        with pytest.raises(StorageError) as info:
+            await s.put("keep", b"new")
+        assert info.value.errno == errno.ENOSPC
+        assert "keep" in str(info.value) and not isinstance(info.value, KeyNotFound)
+        w = s.open_writer("big")
+        with pytest.raises(StorageError) as info:
+            await w.write(payload(2 << 20))
+        assert info.value.errno == errno.ENOSPC
+        assert "big" in str(info.value)
+        await w.abort()
+        monkeypatch.undo()
+        assert await s.get("keep") == b"old"
+        assert files_under(tmp_path) == ["keep"]
+
+    asyncio.run(body())
+
+
+def test_fsync_eio_on_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        w = s.open_writer("blob")
+        await w.write(b"abc")
+
+        def eio(_fd: int) -> None:
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr("mithril_async.storage.local.os.fsync", eio)
+        with pytest.raises(StorageError) as info:
+            await w.commit()
+        assert info.value.errno == errno.EIO
+        monkeypatch.undo()
+        assert files_under(tmp_path) == []
+
+    asyncio.run(body())
+
+
+def _cas_worker(root: str, increments: int) -> None:
+    from mithril_async.errors import PreconditionFailed
+
+    async def main() -> None:
+        s = LocalStore(root)
+        for _ in range(increments):
+            while True:
+                data, tag = await s.get_with_etag("counter")
+                try:
+                    await s.put_if_match("counter", str(int(data) + 1).encode(), tag)
+                    break
+                except PreconditionFailed:
+                    continue
+
+    asyncio.run(main())
+
+
+def test_put_if_match_across_processes(tmp_path: Path) -> None:
+    asyncio.run(LocalStore(tmp_path).put("counter", b"0"))
+    ctx = multiprocessing.get_context("fork")  # spawn would re-import torch per child
+    procs = [ctx.Process(target=_cas_worker, args=(str(tmp_path), 25)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert asyncio.run(LocalStore(tmp_path).get("counter")) == b"75"
+
+
+def test_open_store_factory(tmp_path: Path) -> None:
+    for spec in (str(tmp_path), f"file://{tmp_path}", f"local://{tmp_path}", tmp_path):
+        store = open_store(spec)
+        assert isinstance(store, LocalStore)
+        assert store.root == os.path.realpath(tmp_path)
+    assert isinstance(open_store("memory://"), MemoryStore)
+    with pytest.raises(ValueError):
+        open_store("ftp://x/y")
+    with pytest.raises(ValueError):
+        open_store("file://relative/path")

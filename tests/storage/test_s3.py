@@ -1,0 +1,477 @@
+"""S3Store against a real S3-compatible server (moto over HTTP on loopback): the shared
+conformance suite, then multipart, parallel reads, conditional writes and injected faults."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aioboto3
+import pytest
+
+from mithril_async.config import RemoteConfig
+from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
+from mithril_async.storage import open_store
+from mithril_async.storage.s3 import S3Store, crc32_b64
+from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
+from tests.storage.conformance import StoreConformance
+
+_SESSION = aioboto3.Session()  # shared: building a botocore session per store is slow
+
+
+@dataclass
+class S3Factory:
+    server: MotoS3
+    prefix: str
+    endpoint_url: str = ""
+    part_size: int = SMALL_PART
+    max_concurrency: int = 4
+    max_attempts: int = 3
+    options: dict[str, object] = field(default_factory=dict)
+    knows_upload_age: bool = False  # moto reports every upload as initiated in 2010
+
+    @property
+    def spill_size(self) -> int:
+        return self.part_size
+
+    @property
+    def large_size(self) -> int:
+        return 12 * self.part_size + 12_345
+
+    def new(self) -> S3Store:
+        return S3Store(
+            self.server.bucket,
+            self.prefix,
+            endpoint_url=self.endpoint_url or self.server.endpoint_url,
+            region_name="us-east-1",
+            part_size=self.part_size,
+            min_part_size=SMALL_PART,
+            max_concurrency=self.max_concurrency,
+            max_attempts=self.max_attempts,
+            session=_SESSION,
+            **self.options,  # type: ignore[arg-type]
+        )
+
+
+class TestS3Store(StoreConformance):
+    @pytest.fixture
+    def factory(self, s3_server: MotoS3) -> S3Factory:
+        return S3Factory(s3_server, s3_server.unique_prefix())
+
+
+def run(coro_fn: Any, factory: S3Factory) -> Any:
+    async def main() -> Any:
+        store = factory.new()
+        try:
+            return await coro_fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def factory(s3_server: MotoS3) -> S3Factory:
+    return S3Factory(s3_server, s3_server.unique_prefix("s3"))
+
+
+@pytest.fixture
+def proxy(s3_server: MotoS3) -> Iterator[FaultProxy]:
+    with fault_proxy(s3_server) as p:
+        yield p
+
+
+def via_proxy(factory: S3Factory, proxy: FaultProxy, **changes: Any) -> S3Factory:
+    return replace(factory, endpoint_url=proxy.endpoint_url, **changes)
+
+
+def blob(n: int, seed: int = 7) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# -- multipart -------------------------------------------------------------------------------
+def test_large_blob_is_multipart_with_crc32_per_part(
+    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+) -> None:
+    f = via_proxy(factory, proxy, max_concurrency=2)
+    data = blob(5 * f.part_size + 1234)
+    full = f"{f.prefix}/big"
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("big")
+        for i in range(0, len(data), 100_000):
+            await w.write(data[i : i + 100_000])
+        assert w.upload_id is not None
+        assert [u["Key"] for u in s3_server.uploads(f.prefix)] == [full]
+        await asyncio.sleep(0.2)  # let the in-flight parts land
+        parts = s3_server.client.list_parts(Bucket=s3_server.bucket, Key=full, UploadId=w.upload_id)
+        assert len(parts["Parts"]) >= 4
+        assert await w.commit() == len(data)
+        assert await s.get("big") == data
+
+    run(body, f)
+    head = s3_server.client.head_object(Bucket=s3_server.bucket, Key=full)
+    assert head["ETag"].strip('"').endswith("-6")
+    assert s3_server.uploads(f.prefix) == []
+    part_puts = [r for r in proxy.log if r.is_upload_part]
+    assert len(part_puts) == 6
+    for r in part_puts:
+        n = int(r.query["partNumber"][0])
+        piece = data[(n - 1) * f.part_size : n * f.part_size]
+        assert r.headers["x-amz-checksum-crc32"] == crc32_b64(piece)
+        assert r.body_size == len(piece)
+    assert proxy.max_in_flight <= 2  # bounded concurrency (only the writer uses this proxy)
+
+
+def test_writer_blocks_when_parts_are_in_flight(factory: S3Factory, proxy: FaultProxy) -> None:
+    """Back-pressure: with 2 slots and 0.3 s per part, handing over 6 parts takes >= 0.6 s,
+    so at most ~(max_concurrency + 2) part buffers ever exist."""
+    f = via_proxy(factory, proxy, max_concurrency=2)
+    proxy.fail(lambda r: r.is_upload_part, "delay", times=None)
+    data = blob(6 * f.part_size)
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("slow")
+        t0 = time.perf_counter()
+        await w.write(data)
+        assert time.perf_counter() - t0 >= 0.55
+        await w.commit()
+        assert await s.get("slow") == data
+
+    run(body, f)
+    assert proxy.max_in_flight <= 2
+
+
+def test_small_blob_is_a_single_put(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("small")
+        await w.write(b"a" * (f.part_size - 1))
+        await w.commit()
+
+    run(body, f)
+    writes = [r for r in proxy.log if r.method in ("PUT", "POST")]
+    assert len(writes) == 1 and not writes[0].query
+    assert writes[0].headers["x-amz-checksum-crc32"] == crc32_b64(b"a" * (f.part_size - 1))
+
+
+def test_part_size_grows_to_stay_under_the_part_limit(factory: S3Factory) -> None:
+    w = factory.new().open_writer("k")
+    assert w._part_size(1) == w._part_size(1000) == factory.part_size
+    assert w._part_size(1001) == 2 * factory.part_size
+    assert w._part_size(9999) == 512 * factory.part_size
+    hinted = factory.new().open_writer("k", size_hint=100 * factory.part_size * 10_000)
+    assert hinted._part_size(1) == 100 * factory.part_size
+    with pytest.raises(ValueError):
+        S3Store("b", part_size=1 << 20)  # below S3's 5 MiB minimum
+
+
+# -- reads ------------------------------------------------------------------------------------
+def test_parallel_ranged_reads(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy, max_concurrency=4)
+    data = blob(8 * f.part_size + 77)
+
+    async def body(s: S3Store) -> None:
+        await s.put("r", data)
+        proxy.clear()
+        assert await s.get("r") == data
+        gets = [r for r in proxy.log if r.method == "GET"]
+        assert len(gets) == 9 and all("range" in r.headers for r in gets)
+        assert proxy.max_in_flight >= 2
+        unpinned = [r for r in gets if not r.headers.get("if-match")]
+        assert len(unpinned) == 1  # the first range; the others are pinned to one version
+        assert len([r for r in proxy.log if r.method == "HEAD"]) == 1
+        start = f.part_size // 2
+        got = await s.get_range("r", start, 3 * f.part_size)
+        assert got == data[start : start + 3 * f.part_size]
+        assert await s.get_range("r", len(data) - 10, 1000) == data[-10:]
+        many = await asyncio.gather(
+            *(s.get_range("r", i * 1000, 5000) for i in range(20))
+        )
+        assert many == [data[i * 1000 : i * 1000 + 5000] for i in range(20)]
+
+    run(body, f)
+
+
+def test_read_restarts_when_object_is_replaced_midway(factory: S3Factory) -> None:
+    old, new = blob(3 * factory.part_size, 1), blob(3 * factory.part_size, 2)
+
+    async def body(s: S3Store) -> None:
+        await s.put("r", old)
+        real = s._get_once
+        calls = 0
+
+        async def replacing(*args: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            result = await real(*args)
+            if calls == 1:
+                await s.put("r", new)  # a writer sneaks in after the first range
+            return result
+
+        s._get_once = replacing  # type: ignore[method-assign]
+        assert await s.get("r") == new
+
+    run(body, factory)
+
+
+def test_missing_bucket_is_a_storage_error_not_key_not_found(factory: S3Factory) -> None:
+    async def body(s: S3Store) -> None:
+        with pytest.raises(StorageError) as info:
+            await s.get("k")
+        assert not isinstance(info.value, KeyNotFound)
+        assert "no-such-bucket-xyz" in str(info.value)
+
+    run(body, replace(factory, server=replace_bucket(factory.server, "no-such-bucket-xyz")))
+
+
+def replace_bucket(server: MotoS3, bucket: str) -> MotoS3:
+    clone = object.__new__(MotoS3)
+    clone.__dict__.update(server.__dict__, bucket=bucket)
+    return clone
+
+
+# -- conditional writes -----------------------------------------------------------------------
+def test_conditional_writes_detected_as_native(factory: S3Factory) -> None:
+    async def body(s: S3Store) -> None:
+        assert s.conditional_writes == "auto"
+        assert await s.detect_conditional_writes() is True
+        assert s.conditional_writes == "native" and s.atomic_conditional_writes
+        assert await s.list("") == []  # the probe object is gone
+
+    run(body, factory)
+
+
+def test_emulated_conditional_writes_are_flagged_and_logged(
+    factory: S3Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = replace(factory, options={"conditional_writes": "emulate"})
+
+    async def body(s: S3Store) -> None:
+        assert s.atomic_conditional_writes is False
+        await s.put_if_absent("k", b"1")
+        with pytest.raises(KeyExists):
+            await s.put_if_absent("k", b"2")
+        _, tag = await s.get_with_etag("k")
+        tag2 = await s.put_if_match("k", b"3", tag)
+        with pytest.raises(PreconditionFailed):
+            await s.put_if_match("k", b"4", tag)
+        assert (await s.get_with_etag("k")) == (b"3", tag2)
+
+    with caplog.at_level(logging.WARNING, logger="mithril_async.storage.s3"):
+        run(body, f)
+    assert "NON-ATOMIC" in caplog.text
+
+
+# -- injected faults --------------------------------------------------------------------------
+def test_part_failing_once_is_retried(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+    data = blob(3 * f.part_size + 5)
+    fault = proxy.fail(lambda r: r.is_upload_part and r.query["partNumber"] == ["2"], "500")
+    reset = proxy.fail(lambda r: r.is_upload_part and r.query["partNumber"] == ["3"], "reset")
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("retry")
+        await w.write(data)
+        await w.commit()
+        assert await s.get("retry") == data
+
+    run(body, f)
+    assert fault.hits == 1 and reset.hits == 1
+    tries = [r.query["partNumber"][0] for r in proxy.log if r.is_upload_part]
+    assert sorted(tries) == ["1", "2", "2", "3", "3", "4"]
+
+
+def test_part_failing_always_aborts_the_upload(
+    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+) -> None:
+    f = via_proxy(factory, proxy, max_attempts=2)
+    proxy.fail(lambda r: r.is_upload_part and r.query["partNumber"] == ["2"], "503", times=None)
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("doomed")
+        with pytest.raises(StorageError) as info:
+            for _ in range(6):
+                await w.write(blob(f.part_size))
+            await w.commit()
+        message = str(info.value)
+        assert s3_server.bucket in message and f"{f.prefix}/doomed" in message
+        assert "SlowDown" in message
+        await w.abort()  # idempotent after the automatic abort
+
+    run(body, f)
+    assert [r.query["partNumber"][0] for r in proxy.log if r.is_upload_part].count("2") == 2
+    assert s3_server.uploads(f.prefix) == []
+    assert s3_server.objects(f.prefix) == []
+
+
+def test_complete_200_with_error_body(
+    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+) -> None:
+    f = via_proxy(factory, proxy, max_attempts=2)
+    data = blob(2 * f.part_size + 1)
+
+    async def body(s: S3Store) -> None:
+        once = proxy.fail(lambda r: r.is_complete, "200error", times=1)
+        w = s.open_writer("ok")
+        await w.write(data)
+        await w.commit()  # botocore turns the 200-with-error into a retried 500
+        assert once.hits == 1
+        assert await s.get("ok") == data
+        proxy.fail(lambda r: r.is_complete, "200error", times=None)
+        w = s.open_writer("bad")
+        await w.write(data)
+        with pytest.raises(StorageError) as info:
+            await w.commit()
+        assert "InternalError" in str(info.value) and "bad" in str(info.value)
+        assert not await s.exists("bad")
+
+    run(body, f)
+    assert s3_server.uploads(f.prefix) == []
+
+
+def test_transient_put_and_get_errors_are_retried(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+    slow = proxy.fail(lambda r: r.method == "PUT" and not r.query, "503", times=1)
+    reset = proxy.fail(lambda r: r.method == "GET" and "range" in r.headers, "reset", times=1)
+
+    async def body(s: S3Store) -> None:
+        await s.put("k", b"value")
+        assert await s.get("k") == b"value"
+
+    run(body, f)
+    assert slow.hits == 1 and reset.hits == 1
+
+
+def test_body_cut_mid_stream_is_retried(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+    data = blob(3 * f.part_size)
+    cut = proxy.fail(lambda r: r.method == "GET" and "bytes=0-" not in r.headers.get("range", ""),
+                     "truncate", times=2)
+
+    async def body(s: S3Store) -> None:
+        await s.put("k", data)
+        assert await s.get("k") == data
+
+    run(body, f)
+    assert cut.hits == 2
+
+
+def test_timeouts_are_retried(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy, options={"read_timeout": 0.5})
+    stall = proxy.fail(lambda r: r.method == "PUT", "stall", times=1)
+
+    async def body(s: S3Store) -> None:
+        t0 = time.perf_counter()
+        await s.put("k", b"value")
+        assert time.perf_counter() - t0 < 2.5  # the read timeout fired, not the 3 s reset
+        assert await s.get("k") == b"value"
+
+    run(body, f)
+    assert stall.hits == 1
+    assert len([r for r in proxy.log if r.method == "PUT"]) == 2
+
+
+def test_watchdog_gives_up_on_a_hung_request(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy, max_attempts=1)
+    proxy.fail(lambda r: r.method == "PUT", "stall", times=None)
+
+    async def body(s: S3Store) -> None:
+        s.watchdog = lambda nbytes: 0.3  # type: ignore[method-assign]
+        with pytest.raises(StorageError) as info:
+            await s.put("hung", b"x")
+        assert info.value.errno == errno.ETIMEDOUT and "hung" in str(info.value)
+
+    run(body, f)
+
+
+def test_permanent_errors_name_bucket_and_key(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy, max_attempts=2)
+    proxy.fail(lambda r: r.method == "GET", "500", times=None)
+
+    async def body(s: S3Store) -> None:
+        with pytest.raises(StorageError) as info:
+            await s.get("some/key")
+        assert f"s3://{f.server.bucket}/{f.prefix}/some/key" in str(info.value)
+        assert not isinstance(info.value, KeyNotFound)
+
+    run(body, f)
+
+
+def _start_orphan(bucket: str, prefix: str, endpoint: str, ready: Any) -> None:
+    """Child process: start a multipart upload, report, then hang until SIGKILLed."""
+
+    async def main() -> None:
+        store = S3Store(
+            bucket, prefix, endpoint_url=endpoint, part_size=SMALL_PART, min_part_size=SMALL_PART
+        )
+        w = store.open_writer("orphan/blob")
+        await w.write(blob(3 * SMALL_PART))
+        while len(w._parts) < 2:
+            await asyncio.sleep(0.01)
+        ready.set()
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+
+
+def test_killed_process_leaves_an_orphan_that_cleanup_aborts(
+    s3_server: MotoS3, factory: S3Factory
+) -> None:
+    ctx = multiprocessing.get_context("fork")  # no re-import of torch in the child
+    ready = ctx.Event()
+    args = (s3_server.bucket, factory.prefix, s3_server.endpoint_url, ready)
+    child = ctx.Process(target=_start_orphan, args=args)
+    child.start()
+    try:
+        assert ready.wait(30), "child never started its upload"
+    finally:
+        os.kill(child.pid or 0, signal.SIGKILL)
+        child.join(10)
+    assert child.exitcode == -signal.SIGKILL
+    assert [u["Key"] for u in s3_server.uploads(factory.prefix)] == [
+        f"{factory.prefix}/orphan/blob"
+    ]
+
+    async def body(s: S3Store) -> None:
+        assert await s.cleanup_incomplete("other/") == 0
+        assert await s.cleanup_incomplete("") == 1
+        assert await s.list("") == []
+
+    run(body, factory)
+    assert s3_server.uploads(factory.prefix) == []
+
+
+def test_open_store_s3(s3_server: MotoS3) -> None:
+    store = open_store(
+        "s3://mithril-test/some/prefix", endpoint_url=s3_server.endpoint_url, max_attempts=2
+    )
+    assert isinstance(store, S3Store)
+    assert (store.bucket, store.prefix, store.max_attempts) == ("mithril-test", "some/prefix", 2)
+    remote = RemoteConfig(bucket="bkt", prefix="runs", part_mib=16, max_concurrency=3)
+    store = open_store(remote)
+    assert isinstance(store, S3Store)
+    assert (store.part_size, store.max_concurrency) == (16 << 20, 3)
+    with pytest.raises(ValueError):
+        open_store("s3://bkt/p", bogus=1)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_store_survives_successive_event_loops(factory: S3Factory) -> None:
+    """Each asyncio.run gets a fresh client (the old loop's session is abandoned)."""
+    store = factory.new()
+    asyncio.run(store.put("k", b"1"))
+    _, tag = asyncio.run(store.get_with_etag("k"))
+    asyncio.run(store.put_if_match("k", b"2", tag))
+    assert asyncio.run(store.get("k")) == b"2"
+    asyncio.run(store.close())
