@@ -21,8 +21,8 @@ is left. We follow that shape with three choices made for a checkpoint manager:
   which a sparse mask cannot follow. So v is coded as ``log2 v`` residuals: a dense per-row
   (dim 0) median shift (fp16, one per row) plus a sparse top-``v_density`` correction with its
   own mask. Measured: at 19 deltas deep this cut v's relative error 0.55 -> 0.10 and the
-  resumed-loss gap 2.5 % -> 0.2 % (docs/HPDKV.md). ``v_log=False`` gives the plain ExCP joint
-  linear rule. exp_avg_sq always stays ``>= 0``.
+  resumed-loss gap 2.5 % -> 0.2 % (docs/FORMAT.md, HPΔKV section). ``v_log=False`` gives
+  the plain ExCP joint linear rule. exp_avg_sq always stays ``>= 0``.
 
 Lossless **keyframes** start every chain (every ``keyframe_every`` checkpoints), and tensors the
 user marked exact, non-float tensors, tensors without a role and small tensors are always stored
