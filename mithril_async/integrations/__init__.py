@@ -1,0 +1,7 @@
+"""Bridges to other frameworks, one module each; import the one you need.
+
+``torch_dcp`` (DCP planners), ``safetensors_file`` (safetensors in/out), ``hf_trainer``
+(transformers ``TrainerCallback``), ``lightning`` (``CheckpointIO``), ``deepspeed``
+(``CheckpointEngine``). Nothing is imported here, so a missing optional framework only matters
+to the module that needs it.
+"""

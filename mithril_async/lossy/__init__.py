@@ -2,7 +2,7 @@
 
 Nothing here is applied unless the user asks for it; every lossy result carries the parameters
 a manifest must record (``has_quantization``), and tensors marked exact are stored losslessly.
-Byte layouts and measured numbers: docs/HPDKV.md.
+Byte layouts and measured numbers: docs/FORMAT.md (HPΔKV section).
 """
 
 from mithril_async.lossy.fixedpoint import FixedPointTensor, fixed_point_decode, fixed_point_encode

@@ -4,7 +4,7 @@ Why a separate tiny format: a 4-bit copy of a model is what most users load, and
 ("what the 4-bit copy got wrong") is what a few users need to get back to the original. Keeping
 the residual in its own self-describing blob lets it be fetched, mmapped or dropped on its own.
 
-Byte layout (little-endian; see docs/HPDKV.md)::
+Byte layout (little-endian; see docs/FORMAT.md (HPΔKV section))::
 
     0   4          magic  b"HPDV"
     4   1          version (1)
@@ -204,6 +204,8 @@ def unpack_residuals(blob: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -
     n = math.prod(shape)
     if n > max_elements:
         raise InvalidFormat(f"HPΔKV shape {shape} has {n} elements, over the cap {max_elements}")
+    if math.prod(max(d, 1) for d in shape) >= 1 << 63:  # an empty tensor with huge dims
+        raise InvalidFormat(f"HPΔKV shape {shape}: its strides overflow int64")
     compressed = bool(flags & FLAG_ZLIB)
     if not flags & FLAG_INDICES:
         return _words_to_tensor(_payload_bytes(view[pos:], n, compressed), dtype).reshape(shape)

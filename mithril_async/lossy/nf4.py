@@ -10,7 +10,7 @@ bit-level XOR ``bits(x) ^ bits(x̂)`` (carried in the tensor's own dtype as 16-b
   on real MiniLM weights, including signed zeros, infinities and NaN payloads.
 * Top-k residual: the k elements with the largest ``|x - x̂|`` (ranked in float32) get their
   XOR word, and so come back *exactly*; the others keep their 4-bit value. The error drop is
-  therefore exactly the removal of the largest errors (numbers in docs/HPDKV.md).
+  therefore exactly the removal of the largest errors (numbers in docs/FORMAT.md (HPΔKV section)).
 
 Quantisation itself follows QLoRA/bitsandbytes: per block of ``block_size`` values, scale by the
 block's absmax (float32), pick the nearest of 16 code values, store two codes per byte.

@@ -1,0 +1,35 @@
+"""``mithril decompress FILE.mckp``: back to ``.safetensors`` (default) or ``.pt``.
+
+The output ``.safetensors`` is readable by ``safetensors.safe_open`` and carries the original
+file's ``__metadata__``; every block checksum is verified before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mithril_async.commands._common import human, print_json
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("decompress", help="decompress an .mckp file to .safetensors/.pt",
+                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    p.add_argument("src", metavar="FILE", help="an .mckp blob")
+    p.add_argument("-o", "--out", default=None,
+                   help="output .safetensors or .pt (default: FILE with .safetensors)")
+    p.add_argument("--threads", type=int, default=None, help="codec threads (default: all)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mithril_async.integrations.safetensors_file import decompress_file
+
+    res = decompress_file(args.src, args.out, threads=args.threads)
+    if args.json:
+        print_json({"source": res.src, "to": res.dst, "tensors": res.tensors,
+                    "raw_bytes": res.raw_bytes, "bytes": res.out_bytes})
+    else:
+        print(f"{res.src} -> {res.dst}: {res.tensors} tensors, {human(res.out_bytes)}")
+    return 0

@@ -1,0 +1,87 @@
+"""``mithril restore PATH --to out.safetensors|out.pt``: a version (or .mckp) to a plain file.
+
+PATH is a run folder (with ``--version``, default ``latest``), a version folder, its
+``manifest.json``, or an ``.mckp`` blob. By default the model is written; ``--item all`` writes
+every stored state (model, optimizer, ...) as one tree. ``.safetensors`` holds tensors only
+(nested names joined with '.'); ``.pt`` keeps the whole tree (plain values included). Every
+checksum and delta base is verified on the way; nothing is written on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from mithril_async.commands._common import (
+    Target,
+    human,
+    locate,
+    print_json,
+    resolve_version,
+    run_async,
+)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("restore", help="write a version as .safetensors or .pt",
+                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    p.add_argument("path", metavar="PATH", help="run folder, version folder or .mckp file")
+    p.add_argument("--to", required=True, metavar="OUT", help="out.safetensors or out.pt")
+    p.add_argument("--version", default=None, help="latest (default), best, v000003 or a step")
+    p.add_argument("--item", default="model",
+                   help="which stored state to write: model (default), optimizer, ..., or all")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+async def read_tree(target: Target, version: str | None, item: str) -> tuple[Any, str, int]:
+    """(state tree, version id, step) of ``item`` ("all" = every item) of a version."""
+    from mithril_async.errors import VersionNotFound
+    from mithril_async.integrations._reader import read_version
+
+    run_id = target.run_ids[0]
+    key = await resolve_version(target, run_id, version)
+    m, trees, _ = await read_version(target.catalog(run_id), key,
+                                     items=None if item == "all" else {item})
+    if item != "all" and item not in trees:
+        names = ["model"] + (["optimizer"] if m.optimizer else []) + list(m.extra)
+        raise VersionNotFound(f"{m.version_id} has no {item!r} state (it has: "
+                              f"{', '.join(names)})")
+    return (trees if item == "all" else trees[item]), m.version_id, m.step
+
+
+def run(args: argparse.Namespace) -> int:
+    from mithril_async.integrations.safetensors_file import decompress_file, write_output
+
+    out = Path(args.to)
+    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        print(f"mithril restore: error: --to {out}: use a .safetensors or .pt file",
+              file=sys.stderr)
+        return 2
+    if out.exists() and not args.force:
+        print(f"mithril restore: error: {out} exists (use --force to replace it)",
+              file=sys.stderr)
+        return 1
+    target = locate(args.path)
+    if target.kind == "runs":
+        print("mithril restore: error: give a run or version folder, not a runs folder",
+              file=sys.stderr)
+        return 2
+    if target.kind == "file":
+        res = decompress_file(target.path, out)
+        doc: dict[str, Any] = {"source": res.src, "to": res.dst, "tensors": res.tensors,
+                               "bytes": res.out_bytes}
+    else:
+        tree, vid, step = run_async(read_tree(target, args.version, args.item))
+        size = write_output(tree, out)
+        doc = {"run_id": target.run_ids[0], "version_id": vid, "step": step,
+               "item": args.item, "to": str(out), "bytes": size}
+    if args.json:
+        print_json(doc)
+    else:
+        src = doc.get("version_id") or doc.get("source")
+        print(f"restored {src} -> {out} ({human(doc['bytes'])})")
+    return 0
