@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo demo-s3 test lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,6 +15,9 @@ setup: $(BIN)/python
 
 demo: setup
 	$(BIN)/python examples/train_loop.py
+
+demo-s3: setup
+	$(BIN)/python examples/s3_demo.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -10,6 +10,12 @@ moto runs in its own process (``python -m moto.server``) so the client and serve
 share a GIL. On loopback the server is usually the bottleneck, so the interesting number is
 the ratio ours/theirs, not the absolute MB/s.
 
+Pipeline: a whole checkpoint (weight-like fp32 tensors) saved by ``CheckpointManager`` with
+``mode = "remote_only"`` (snapshot, encode, multipart upload, manifest, aliases) with
+compression off and on, vs ``upload_fileobj`` of the same state's safetensors bytes; and
+``restore_sync("latest")`` (parallel ranged GETs, decode, copy into the live tensors) vs
+``download_fileobj``.
+
     python benchmarks/bench_s3.py --mib 256 --repeats 3
 """
 
@@ -28,8 +34,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aioboto3
+import safetensors.torch
+import torch
 from boto3.s3.transfer import TransferConfig
 
+from mithril_async import CheckpointManager, parse_config
 from mithril_async.storage.s3 import S3Store
 
 MIB = 1 << 20
@@ -129,6 +138,72 @@ async def bench(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int)
     print(f"ratio ours/aioboto3: upload {up:.2f}x, download {down:.2f}x")
 
 
+class Holder:
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k, v in sd.items():
+            self.sd[k].copy_(v)
+
+
+def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int) -> None:
+    """Whole checkpoints through the manager vs aioboto3 transfers of the same bytes."""
+    g = torch.Generator().manual_seed(0)
+    n = max(1, mib // 16)
+    state = {f"w{i}": torch.randn(2048, 2048, generator=g) * 0.02 for i in range(n)}
+    raw = safetensors.torch.save(state)
+    times: dict[str, list[float]] = {}
+    for comp in (False, True):
+        label = "zstd" if comp else "raw"
+        cfg = parse_config(
+            f'[checkpointing]\nruns_path = "runs"\nrun_id = "p{label}"\n'
+            f'[checkpointing.remote]\nbucket = "bench"\nprefix = "pipe"\n'
+            f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
+            f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
+            f"[checkpointing.compression]\nenabled = {str(comp).lower()}\n")
+        with CheckpointManager(cfg, {"model": Holder(state)}) as m:
+            for i in range(repeats):
+                t0 = time.perf_counter()
+                m.save_nowait(i + 1).result()
+                times.setdefault(f"save mithril ({label})", []).append(time.perf_counter() - t0)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                m.restore_sync("latest")
+                times.setdefault(f"restore mithril ({label})", []).append(
+                    time.perf_counter() - t0)
+
+    async def theirs() -> None:
+        tconf = TransferConfig(multipart_threshold=part_mib * MIB,
+                               multipart_chunksize=part_mib * MIB, max_concurrency=conc)
+        async with aioboto3.Session().client("s3", endpoint_url=endpoint,
+                                             region_name="us-east-1") as client:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                await client.upload_fileobj(io.BytesIO(raw), "bench", "pipe/theirs.safetensors",
+                                            Config=tconf)
+                times.setdefault("upload_fileobj", []).append(time.perf_counter() - t0)
+            for _ in range(repeats):
+                out = io.BytesIO()
+                t0 = time.perf_counter()
+                await client.download_fileobj("bench", "pipe/theirs.safetensors", out,
+                                              Config=tconf)
+                times.setdefault("download_fileobj", []).append(time.perf_counter() - t0)
+
+    asyncio.run(theirs())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mb = len(raw) / 1e6
+    print(f"\ncheckpoint of {mb:.0f} MB (fp32 weight-like), median of {repeats}")
+    print("| operation | s | MB/s of state | ours / aioboto3 (time) |")
+    print("|---|---:|---:|---:|")
+    for k, v in med.items():
+        ref = med["upload_fileobj"] if k.startswith("save") else med["download_fileobj"]
+        print(f"| {k} | {v:.3f} | {mb / v:.1f} | {v / ref:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="blob size in MiB")
@@ -147,6 +222,7 @@ def main() -> None:
         endpoint = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(bench(endpoint, args.mib, args.repeats, args.part_mib, args.concurrency))
+        bench_pipeline(endpoint, args.mib, args.repeats, args.part_mib, args.concurrency)
     finally:
         if proc is not None:
             proc.terminate()
