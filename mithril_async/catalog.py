@@ -8,6 +8,8 @@ to a better metric. Every manifest read is validated, and must name keys inside 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -26,6 +28,7 @@ from mithril_async.errors import (
 )
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import (
+    MAX_METADATA_BYTES,
     AliasFile,
     RunManifest,
     VersionManifest,
@@ -51,6 +54,7 @@ class RunCatalog:
         self.store = store
         self.layout = layout
         self._manifests: dict[str, VersionManifest] = {}
+        self._damaged: set[str] = set()
 
     # ---------------------------------------------------------------- versions
     async def version_numbers(self) -> dict[int, bool]:
@@ -75,7 +79,7 @@ class RunCatalog:
         cached = self._manifests.get(key)
         if cached is not None:
             return cached
-        data = await self.store.get(key)
+        data = await self._get_metadata(key)
         m = parse_model(VersionManifest, data, key)
         if m.run_id != self.layout.run_id:
             raise InvalidFormat(f"{key}: names run {m.run_id!r}, expected {self.layout.run_id!r}")
@@ -88,13 +92,26 @@ class RunCatalog:
         self._manifests[key] = m
         return m
 
-    async def versions(self) -> list[VersionManifest]:
-        """All committed versions, oldest step first."""
+    async def versions(self, *, skip_damaged: bool = False) -> list[VersionManifest]:
+        """All committed versions, oldest step first.
+
+        ``skip_damaged``: a manifest that does not validate (or vanished since the listing)
+        is left out with a warning instead of failing the whole listing, so one damaged
+        version cannot stop a manager from starting, saving or falling back to an older one.
+        Restoring that version itself still raises. ``mithril verify`` lists strictly."""
         nums = await self.version_numbers()
         out = []
         for n, committed in sorted(nums.items()):
             if committed:
-                out.append(await self.read_manifest(self.layout.manifest_key(n)))
+                key = self.layout.manifest_key(n)
+                try:
+                    out.append(await self.read_manifest(key))
+                except (InvalidFormat, KeyNotFound) as err:
+                    if not skip_damaged:
+                        raise
+                    if key not in self._damaged:
+                        self._damaged.add(key)
+                        log.warning("ignoring version %s: %s", key, err)
         out.sort(key=lambda m: (m.step, m.version_id))
         return out
 
@@ -110,7 +127,26 @@ class RunCatalog:
                 return n
             except KeyExists:
                 n += 1
+            except BaseException:
+                # the claim may have landed before the failure (the directory fsync after the
+                # link failed, a cancel): remove it, but only if it is ours, not another's
+                await asyncio.shield(self._drop_claim(n, claim))
+                raise
         raise RuntimeError("could not claim a version number after 1000 attempts")
+
+    async def _get_metadata(self, key: str, *, size_only: bool = False) -> bytes:
+        """A metadata file's bytes; one over ``MAX_METADATA_BYTES`` is refused before it is
+        read, so a hostile (e.g. sparse, terabyte-sized) file costs no memory."""
+        size = await self.store.size(key)
+        if size > MAX_METADATA_BYTES:
+            raise InvalidFormat(f"{key}: metadata file of {size} bytes is implausibly large "
+                                f"(limit {MAX_METADATA_BYTES})")
+        return b"" if size_only else await self.store.get(key)
+
+    async def _drop_claim(self, n: int, claim: bytes) -> None:
+        with contextlib.suppress(Exception):
+            if await self.store.get(self.layout.claim_key(n)) == claim:
+                await self.store.delete(self.layout.claim_key(n))
 
     async def clean_unfinished(self, *, stale_after_s: float = STALE_CLAIM_S,
                                orphan_age_s: float = 600.0) -> list[str]:
@@ -145,19 +181,36 @@ class RunCatalog:
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a
         deletion killed half-way leaves an unclaimed folder that the next start removes),
-        then its files."""
+        then its files.
+
+        Once the manifest is gone, a failing delete (e.g. the directory fsync after an unlink)
+        does not stop the others: the rest is removed and the first error raised, so a
+        long-running process does not keep an unclaimed half-deleted folder until restart."""
         n = version_number(vid)
-        await self.store.delete(self.layout.manifest_key(n))
-        self._manifests.pop(self.layout.manifest_key(n), None)
-        await self.store.delete(self.layout.claim_key(n))
-        for key in await self.store.list(self.layout.version_dir(n) + "/"):
-            await self.store.delete(key)
+        mkey = self.layout.manifest_key(n)
+        first: Exception | None = None
+        try:
+            await self.store.delete(mkey)
+        except Exception as err:
+            if await self.store.exists(mkey):
+                raise  # still committed: its claim and files stay with it
+            first = err
+        self._manifests.pop(mkey, None)
+        claim = self.layout.claim_key(n)
+        rest = [k for k in await self.store.list(self.layout.version_dir(n) + "/") if k != claim]
+        for key in (claim, *rest):
+            try:
+                await self.store.delete(key)
+            except Exception as err:
+                first = first or err
+        if first is not None:
+            raise first
 
     # ---------------------------------------------------------------- aliases
     async def read_alias(self, name: str) -> AliasFile | None:
         key = self.layout.alias_key(name)
         try:
-            data = await self.store.get(key)
+            data = await self._get_metadata(key)
         except KeyNotFound:
             return None
         alias = parse_model(AliasFile, data, key)
@@ -171,10 +224,16 @@ class RunCatalog:
         key = self.layout.alias_key(name)
         for _ in range(_CAS_ATTEMPTS):
             try:
+                await self._get_metadata(key, size_only=True)
                 data, etag = await self.store.get_with_etag(key)
-                current: AliasFile | None = parse_model(AliasFile, data, key)
             except KeyNotFound:
-                current, etag = None, None
+                data, etag = None, None
+            current: AliasFile | None = None
+            if data is not None:
+                try:
+                    current = parse_model(AliasFile, data, key)
+                except InvalidFormat as err:  # derived data: rewritten, never trusted
+                    log.warning("alias %s is damaged (%s); rewriting it", key, err)
             new = decide(current)
             if new is None:
                 return current
@@ -236,15 +295,34 @@ class RunCatalog:
         await self._cas("best", decide)
         return moved
 
+    async def repair_aliases(self, metric: str | None, mode: Literal["min", "max"]) -> bool:
+        """Finish the alias moves of a writer killed between its manifest and its aliases:
+        ``latest`` to the newest committed version, ``best`` to the best one. Both moves are
+        the usual monotone CAS writes, so a live writer's update is never undone."""
+        versions = await self.versions(skip_damaged=True)
+        if not versions:
+            return False
+        newest = versions[-1]
+        moved = await self.move_latest(
+            newest, self.layout.manifest_key(version_number(newest.version_id)))
+        usable = [m for m in versions if metric and _usable(m.metrics.get(metric))]
+        if usable:
+            pick = min if mode == "min" else max
+            best = pick(usable, key=lambda m: float(m.metrics[metric or ""]))
+            moved |= await self.move_best(
+                best, self.layout.manifest_key(version_number(best.version_id)), metric, mode)
+        return moved
+
     # ---------------------------------------------------------------- run manifest
     async def update_run_manifest(self, root_local: str | None, root_remote: str | None) -> None:
         """Rewrite run.json from the committed versions and aliases (CAS, best effort)."""
-        versions = await self.versions()
+        versions = await self.versions(skip_damaged=True)
         latest = await self.read_alias("latest")
         best = await self.read_alias("best")
         key = self.layout.run_manifest_key
         for _ in range(_CAS_ATTEMPTS):
             try:
+                await self._get_metadata(key, size_only=True)
                 data, etag = await self.store.get_with_etag(key)
                 created = parse_model(RunManifest, data, key).created_at
             except KeyNotFound:
@@ -272,7 +350,7 @@ class RunCatalog:
         if isinstance(target, bool):
             raise VersionNotFound(f"not a restore target: {target!r}")
         if isinstance(target, int):
-            for m in reversed(await self.versions()):
+            for m in reversed(await self.versions(skip_damaged=True)):
                 if m.step == target:
                     return self.layout.manifest_key(version_number(m.version_id))
             raise VersionNotFound(f"run {self.layout.run_id}: no committed version at step "
@@ -296,6 +374,12 @@ class RunCatalog:
         if not self.layout.owns(key) or not await self.store.exists(key):
             raise VersionNotFound(f"run {self.layout.run_id}: no committed version {target!r}")
         return key
+
+
+def _usable(value: object) -> bool:
+    """Whether a metric value can rank versions (a real number, not bool or NaN)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not math.isnan(value))
 
 
 def _pid_alive(pid: int) -> bool:

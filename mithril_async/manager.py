@@ -691,6 +691,11 @@ class CheckpointManager:
             rng_doc = json.loads(rng_bytes)
         except ValueError as err:
             raise InvalidFormat(f"{rng_key}: not valid JSON ({err})") from None
+        if not isinstance(rng_doc, dict) or rng_doc.get("step") != m.step:
+            # the RNG file is checksummed by the manifest and records the step: a manifest
+            # whose step was altered (it carries no checksum of its own) is caught here
+            raise InvalidFormat(f"{key}: says step {m.step} but {rng_key} was saved at step "
+                                f"{rng_doc.get('step') if isinstance(rng_doc, dict) else '?'}")
         return m, trees, rng_doc
 
     def _check_world_size(self, m: VersionManifest, load: str) -> None:

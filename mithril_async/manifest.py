@@ -76,6 +76,8 @@ class ShardRef(BlobRef):
 
 class RankKey(_Keyed):
     rank: int = Field(ge=0, le=1 << 20)
+    #: xxh64 of the file (RNG + data-loader state); absent in manifests of older writers
+    xxh64: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
 
 
 class Paths(_Model):

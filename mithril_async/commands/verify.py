@@ -15,6 +15,7 @@ range where one is known); 1 the path could not be read as a checkpoint at all.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,16 @@ class Verifier:
         if m.config is not None:
             await self.check_file(m.config.key, m.config.bytes, m.config.xxh64)
         for rk in m.rng.keys:
-            await self.check_file(rk.key, None, rk.xxh64)
+            data = await self.check_file(rk.key, None, rk.xxh64)
+            try:
+                step = json.loads(data).get("step")
+            except (ValueError, AttributeError):
+                raise Damage(rk.key, "not a JSON object") from None
+            if step != m.step:
+                from mithril_async.manifest import version_number
+
+                key = self.catalog.layout.manifest_key(version_number(m.version_id))
+                raise Damage(key, f"says step {m.step} but {rk.key} was saved at step {step}")
 
     async def check_aliases(self, committed: set[str]) -> None:
         from mithril_async.errors import MithrilError

@@ -238,6 +238,9 @@ class BlobCodec:
 
         Delta bases and referenced tensors are fetched through ``load_blob``.
         """
+        size = await store.size(ref.key)  # before reading: a huge file costs no memory
+        if size != ref.bytes:
+            raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
         data = await store.get(ref.key)
         loop = asyncio.get_running_loop()
         if len(data) != ref.bytes:

@@ -30,6 +30,7 @@ class RankPart(BaseModel):
     model: BlobRef | None = None
     shards: dict[str, ShardRef] = Field(default_factory=dict)
     rng_key: str | None = None
+    rng_xxh64: str | None = None
     exact: bool = True
     bytes_in: int = 0
     bytes_out: int = 0

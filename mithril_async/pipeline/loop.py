@@ -31,6 +31,8 @@ class BackgroundLoop:
     def __init__(self, name: str = "mithril-loop") -> None:
         self.loop, self.kind = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        #: futures of submitted coroutines still running (cancelled by :meth:`close`)
+        self._submitted: set[concurrent.futures.Future[Any]] = set()
         self._started = threading.Event()
         self._thread.start()
         self._started.wait()
@@ -49,7 +51,10 @@ class BackgroundLoop:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("background loop is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._submitted.add(fut)
+        fut.add_done_callback(self._submitted.discard)
+        return fut
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the background loop and block until it finishes."""
@@ -64,13 +69,22 @@ class BackgroundLoop:
             return
 
         async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
+            # Cancel what callers submitted (a save, a restore), not every task: the tasks
+            # those spawn - shielded cleanups that abort uploads and remove an unfinished
+            # version, waits for a worker thread to settle - must finish, within a bound.
+            for fut in list(self._submitted):
+                fut.cancel()
+            me = asyncio.current_task()
+            await asyncio.sleep(0)  # let the cancellations reach their tasks
+            pending = {t for t in asyncio.all_tasks() if t is not me}
+            if pending:
+                _, pending = await asyncio.wait(pending, timeout=10)
+            for t in pending:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
         try:
-            self.submit(_cancel_all()).result(10)
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(25)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
