@@ -13,8 +13,10 @@ Layout (little-endian)::
     8  4  header length H (bytes of zstd-compressed JSON)
     12 H  header: zstd(JSON{index, raw_bytes, config, masks, records})
     .. .  data: every byte range named in the header as [offset, length] into this region
+    -8 8  xxh64 of every preceding byte (checked before anything else is parsed)
 
-The reader checks magic, version, flags, that every range lies inside the data region, dtype
+The reader checks magic, version, the trailing xxh64 (a flipped byte anywhere raises
+:class:`ChecksumMismatch`), flags, that every range lies inside the data region, dtype
 names against an allow-list, and array lengths against block counts; anything else raises
 :class:`InvalidFormat` / :class:`UnknownFormatVersion`.
 """
@@ -29,9 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
-from mithril_async.errors import InvalidFormat, UnknownFormatVersion
+from mithril_async.errors import ChecksumMismatch, InvalidFormat, UnknownFormatVersion
 from mithril_async.lossy.lossy_delta import LossyCheckpoint, LossyDeltaConfig, TensorRecord
 from mithril_async.lossy.quant import QuantizedTensor
 
@@ -84,7 +87,8 @@ def checkpoint_to_bytes(ckpt: LossyCheckpoint, level: int = 3) -> bytes:
               "masks": masks, "records": records}
     hz = zstandard.ZstdCompressor(level=level).compress(json.dumps(header).encode())
     fixed = MAGIC + struct.pack("<BBHI", VERSION, int(ckpt.keyframe), 0, len(hz))
-    return fixed + hz + b"".join(w.parts)
+    body = fixed + hz + b"".join(w.parts)
+    return body + struct.pack("<Q", xxhash.xxh64_intdigest(body))
 
 
 def _range(data: memoryview, spec: Any, what: str) -> bytes:
@@ -126,11 +130,16 @@ def _quantized(v: dict[str, Any], data: memoryview, name: str) -> QuantizedTenso
 def checkpoint_from_bytes(blob: bytes) -> LossyCheckpoint:
     """Parse an MLDC v1 blob back into a :class:`LossyCheckpoint` (validated, never trusted)."""
     view = memoryview(blob)
-    if len(view) < 12 or bytes(view[:4]) != MAGIC:
-        raise InvalidFormat("not an MLDC lossy delta checkpoint (magic)")
+    if len(view) < 20 or bytes(view[:4]) != MAGIC:
+        raise InvalidFormat("not an MLDC lossy delta checkpoint (magic or length)")
     version, flags, reserved, hlen = struct.unpack_from("<BBHI", view, 4)
     if version != VERSION:
         raise UnknownFormatVersion(f"MLDC version {version} is not known (reader knows 1)")
+    (want,) = struct.unpack_from("<Q", view, len(view) - 8)
+    got = xxhash.xxh64_intdigest(view[:-8])
+    if got != want:
+        raise ChecksumMismatch("MLDC lossy delta checkpoint (xxh64)", want, got)
+    view = view[:-8]
     if flags & ~1 or reserved or hlen > min(_MAX_HEADER, len(view) - 12):
         raise InvalidFormat("MLDC flags/reserved/header length are invalid")
     try:
