@@ -320,3 +320,17 @@ def test_should_save_and_fresh_run_ids(make_config: ConfigFactory, tmp_path: Pat
     assert [s for s in range(31) if a.should_save(s)] == [10, 20, 30]
     a.close()
     b.close()
+
+
+def test_resume_optimizer_false_leaves_optimizer_alone(make_config: ConfigFactory) -> None:
+    cfg = make_config(resume_optimizer=False)
+    model, opt, batcher = make_state()
+    with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
+        train_step(model, opt, batcher)
+        m.save_nowait(1).result()
+        saved_model = copy.deepcopy(model.state_dict())
+        train_step(model, opt, batcher)
+        opt_after = copy.deepcopy(opt.state_dict())
+        m.restore_sync("latest")
+    assert state_equal(saved_model, model.state_dict())
+    assert state_equal(opt_after, opt.state_dict())  # optimizer state was not loaded
