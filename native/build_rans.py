@@ -1,9 +1,14 @@
-"""cffi (API mode) build of the rANS plane coder -> ``mithril_async._rans``.
+"""cffi (API mode) build of the rANS plane coders -> ``mithril_async._rans``.
 
 Listed in ``setup.py``'s ``cffi_modules`` next to the kernels so ``pip install`` compiles it;
 ``python native/build_rans.py`` builds it in place for development.  Without it the codec
 still works: it writes Huffman-only deflate planes instead, and decodes RANS planes with a
 slow pure-numpy decoder (``mithril_async/codec/rans.py``), so every blob stays readable.
+The AVX2 decoder of format v2 is compiled with a ``target("avx2")`` attribute and chosen at
+run time, so plain ``-O3`` builds run on any x86-64 CPU.
+
+Replacing ``_rans.abi3.so`` under running processes crashes them: build to a temporary file and
+rename it over the old one (a rename keeps their mapping on the old inode); this script does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
 size_t mr_encode_bound(size_t n);
 int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
+size_t mr2_encode_bound(size_t n);
+int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
+int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
+int mr_set_level(int level);
 """
 
 
@@ -51,4 +60,8 @@ if __name__ == "__main__":
     root = os.path.dirname(_HERE)
     tmp = os.path.join(root, "build", "cffi-rans")
     built = make_builder(absolute_paths=True).compile(tmpdir=tmp, verbose=False)
-    print(shutil.copy(built, os.path.join(root, "mithril_async", "_rans.abi3.so")))
+    dest = os.path.join(root, "mithril_async", "_rans.abi3.so")
+    tmp_dest = dest + ".tmp"
+    shutil.copy(built, tmp_dest)
+    os.replace(tmp_dest, dest)  # atomic: processes that loaded the old file keep its inode
+    print(dest)

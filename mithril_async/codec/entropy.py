@@ -4,13 +4,14 @@ Why several coders: after byte grouping a float tensor splits into planes of ver
 nature.  Exponent planes are skewed but have no long repeats, so LZ matching (zstd) *hurts*
 (short matches cost more than they save: on all-MiniLM-L6-v2 bf16 exponents zstd-3 spends 3.3
 bits/byte against an order-0 entropy of 2.66); an order-0 coder reaches the entropy bound.
-The native rANS coder (:mod:`.rans`) does that fast and within ~0.1 % of the bound, and knows
-the coded size from the histogram before coding, so near-random mantissa planes are stored
-raw after one histogram pass.  Delta (XOR) planes are mostly zeros with runs, where zstd's
-matches win by orders of magnitude (both are tried when the sampled entropy is low).
-Constant planes (the all-zero low mantissa bytes of an fp32 copy of bf16 weights, seed 004)
-take one byte.  Huffman-only deflate (zlib's ``Z_HUFFMAN_ONLY``, a standard stream any
-inflater reads) is the fallback when the native coder is not built.
+The native rANS coder (:mod:`.rans`; planes are written as RANS32, its SIMD-decodable
+layout, and the older RANS layout stays readable) does that fast and within ~0.1 % of the
+bound, and knows the coded size from the histogram before coding, so near-random mantissa
+planes are stored raw after one histogram pass.  Delta (XOR) planes are mostly zeros with
+runs, where zstd's matches win by orders of magnitude (both are tried when the sampled
+entropy is low).  Constant planes (the all-zero low mantissa bytes of an fp32 copy of bf16
+weights, seed 004) take one byte.  Huffman-only deflate (zlib's ``Z_HUFFMAN_ONLY``, a
+standard stream any inflater reads) is the fallback when the native coder is not built.
 
 Every coder here is synchronous, thread-safe (per-thread contexts) and spends its time in C
 with the GIL released, so a thread pool scales.
@@ -67,7 +68,8 @@ class PlaneMethod(IntEnum):
     ZSTD = 1
     HUFF = 2  # raw deflate stream, Z_HUFFMAN_ONLY, no zlib header
     CONST = 3  # one byte, repeated raw_len times
-    RANS = 4  # order-0 rANS, see mithril_async/codec/rans.py
+    RANS = 4  # order-0 rANS format v1 (8 x 64-bit states), see mithril_async/codec/rans.py
+    RANS32 = 5  # order-0 rANS format v2 (32 x 32-bit states, one stream; SIMD decoder)
 
 
 _SMALL_PLANE = 16384
@@ -145,7 +147,8 @@ def encode_plane(plane: U8, *, level: int, mode: str, raw_bits: float,
                     best, limit = (PlaneMethod.ZSTD, z), len(z)
             r = rans.encode(plane, limit)
             if r:
-                best, limit = (PlaneMethod.RANS, r), len(r)
+                m = PlaneMethod.RANS32 if rans.format_of(r) == 2 else PlaneMethod.RANS
+                best, limit = (m, r), len(r)
             # Without the native coder, or for small planes where rANS's ~100-byte tables
             # dominate: Huffman-only deflate (cheap at this size).
             if (r is None and best[0] == PlaneMethod.RAW and h < raw_bits) or (
@@ -183,7 +186,9 @@ def decode_plane(method: int, data: memoryview, out: U8, *, where: str) -> None:
                 raise InvalidFormat(f"{where}: zstd plane decoded to {len(dec)} bytes, not {n}")
             out[:] = np.frombuffer(dec, np.uint8)
         elif method == PlaneMethod.RANS:
-            rans.decode(data, out, where=where)
+            rans.decode(data, out, where=where, version=1)
+        elif method == PlaneMethod.RANS32:
+            rans.decode(data, out, where=where, version=2)
         elif method == PlaneMethod.HUFF:
             if _inflate_exact is not None:
                 dec = _inflate_exact(data, n)

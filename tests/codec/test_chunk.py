@@ -42,7 +42,8 @@ def test_transforms_and_plane_choices() -> None:
     w = (torch.randn(1 << 16) * 0.02).bfloat16()
     enc = encode_chunk(tensor_bytes(w)[0], "bfloat16", None, CodecParams())
     assert enc.meta.transform == Transform.EXP_BF16
-    want = PlaneMethod.RANS if rans.NATIVE else PlaneMethod.HUFF
+    want = PlaneMethod.RANS32 if rans.NATIVE_V2 else (
+        PlaneMethod.RANS if rans.NATIVE else PlaneMethod.HUFF)
     assert [m for m, _ in enc.meta.planes] == [want, PlaneMethod.RAW]
     # fp32 copies of bf16 weights: the two low mantissa planes are constant (seed 004).
     f = w.float()
@@ -100,18 +101,31 @@ def test_without_native_rans_deflate_is_written_and_rans_still_read(
 
 
 @pytest.mark.skipif(not rans.NATIVE, reason="native rANS coder not built")
-def test_rans_native_and_python_decoders_agree_and_reject_garbage() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_rans_native_and_python_decoders_agree_and_reject_garbage(version: int) -> None:
+    if version == 2 and not rans.NATIVE_V2:
+        pytest.skip("native coder predates format v2")
     rng = np.random.default_rng(5)
-    for n in (1, 3, 4, 5, 1000, (1 << 18) + 5):
+    for n in (1, 3, 4, 5, 31, 32, 33, 1000, (1 << 18) + 5, (1 << 18) + 32):
         x = (rng.geometric(0.4, n) % 256).astype(np.uint8)
-        enc = rans.encode(x, 1 << 40)
-        assert enc
-        for native in (True, False):
-            if not native and n > 5000:
-                continue
-            out = np.empty(n, np.uint8)
-            rans.decode(enc, out, where="p", native=native)
-            assert np.array_equal(out, x)
+        enc = rans.encode(x, 1 << 40, version=version)
+        assert enc and rans.format_of(enc) == version
+        levels = [0, -1] if version == 2 else [-1]  # scalar and the best SIMD coder
+        try:
+            for level in levels:  # the SIMD encoder writes the scalar one's bytes
+                rans.set_level(level)
+                assert rans.encode(x, 1 << 40, version=version) == enc
+            for native, level in [(True, lv) for lv in levels] + [(False, -1)]:
+                if not native and n > 5000:
+                    continue
+                rans.set_level(level)
+                out = np.empty(n, np.uint8)
+                rans.decode(enc, out, where="p", native=native, version=version)
+                assert np.array_equal(out, x)
+        finally:
+            rans.set_level(-1)
+        with pytest.raises(InvalidFormat):  # a plane method promising the other layout
+            rans.decode(enc, np.empty(n, np.uint8), where="p", version=3 - version)
         for pos in rng.integers(0, len(enc), 30):
             bad = bytearray(enc)
             bad[pos] ^= 1 << int(rng.integers(8))

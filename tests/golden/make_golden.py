@@ -44,7 +44,7 @@ def expected(name: str) -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 3),
             "bf16.as.f32": _weights(9, 128).bfloat16().float(),
         }
-    if name == "v1_rans":  # planes big enough for the rANS coder, few distinct values
+    if name in ("v1_rans", "v1_rans32"):  # planes big enough for the rANS coder, few values
         rng = np.random.default_rng(13)
         sign = np.where(rng.random(17000) < 0.5, -1.0, 1.0)
         v = sign * 2.0 ** -rng.geometric(0.4, 17000) * (1 + rng.integers(0, 2, 17000) / 2)
@@ -58,7 +58,9 @@ def expected(name: str) -> dict[str, torch.Tensor]:
     raise KeyError(name)
 
 
-NAMES = ["v1_dtypes", "v1_zstd_nogroup", "v1_deflate", "v1_rans", "v1_base", "v1_delta"]
+#: v1_rans holds plane method 4 (RANS, written before RANS32 existed), v1_rans32 method 5.
+NAMES = ["v1_dtypes", "v1_zstd_nogroup", "v1_deflate", "v1_rans", "v1_rans32", "v1_base",
+         "v1_delta"]
 
 
 def build(name: str) -> bytes:
@@ -75,7 +77,7 @@ def build(name: str) -> bytes:
         p = CodecParams(byte_grouping=False, entropy="zstd", chunk_bytes=256)
         return compress_state_dict(expected(name), params=p, step=1, metadata={"golden": name})
     prev = expected("v1_base") if name == "v1_delta" else None
-    chunk = 1 << 20 if name == "v1_rans" else 512
+    chunk = 1 << 20 if name in ("v1_rans", "v1_rans32") else 512
     return compress_state_dict(expected(name), previous=prev, chunk_bytes=chunk, step=2,
                                metadata={"golden": name})
 
