@@ -233,9 +233,9 @@ class MckpWriter:
             raise RuntimeError("MckpWriter.xxh64 is known only after finish()")
         return self._xxh
 
-    def _emit(self, data: bytes) -> bytes:
+    def _emit(self, data: Any) -> Any:
         self._hasher.update(data)
-        self._size += len(data)
+        self._size += memoryview(data).nbytes
         return data
 
     def begin(self) -> bytes:
@@ -249,6 +249,14 @@ class MckpWriter:
 
     def add(self, tensor_index: int, chunk_index: int, encoded: EncodedChunk) -> bytes:
         """Block header + payload of one encoded chunk (append them right after)."""
+        return b"".join(self.add_parts(tensor_index, chunk_index, encoded))
+
+    def add_parts(self, tensor_index: int, chunk_index: int, encoded: EncodedChunk,
+                  ) -> tuple[Any, ...]:
+        """As :meth:`add`, but the block as separate buffers (header, then each plane).
+
+        For callers that concatenate the whole blob anyway: skips one copy of every block.
+        """
         if self._state != "open":
             raise RuntimeError("MckpWriter.add() outside begin()/finish()")
         if not 0 <= tensor_index < len(self.tensors):
@@ -275,8 +283,10 @@ class MckpWriter:
         head += HASH.pack(xxhash.xxh64_intdigest(head))
         self._index.append(INDEX_ENTRY.pack(tensor_index, chunk_index, self._size,
                                             len(head) + m.stored_size))
-        block = b"".join((head, *encoded.parts))
-        return self._emit(block)
+        parts = (head, *encoded.parts)
+        for part in parts:
+            self._emit(part)
+        return parts
 
     def finish(self) -> bytes:
         """Index and trailer: the last bytes of the blob."""

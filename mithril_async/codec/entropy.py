@@ -145,7 +145,9 @@ def encode_plane(plane: U8, *, level: int, mode: str, raw_bits: float,
                 z = _zc(level).compress(plane.data)
                 if len(z) < limit:
                     best, limit = (PlaneMethod.ZSTD, z), len(z)
-            r = rans.encode(plane, limit)
+            # A sample at >= raw_bits bits/byte cannot save min_gain (the sample's estimate
+            # runs low, not high): store raw without the coder's histogram pass.
+            r = rans.encode(plane, limit) if h < raw_bits else (b"" if rans.NATIVE else None)
             if r:
                 m = PlaneMethod.RANS32 if rans.format_of(r) == 2 else PlaneMethod.RANS
                 best, limit = (m, r), len(r)

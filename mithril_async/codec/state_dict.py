@@ -94,8 +94,9 @@ def compress_state_dict(
                             None if base is None else base[off:off + ln], p)
 
     encoded = _map(work, jobs, threads)
-    parts = [writer.begin()]
-    parts += [writer.add(ti, ci, enc) for (ti, ci), enc in zip(jobs, encoded, strict=True)]
+    parts: list[Any] = [writer.begin()]
+    for (ti, ci), enc in zip(jobs, encoded, strict=True):
+        parts += writer.add_parts(ti, ci, enc)
     parts.append(writer.finish())
     return b"".join(parts)
 
