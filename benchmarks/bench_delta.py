@@ -9,7 +9,9 @@ fine-tuning-like lr 1e-5, fp32 and bf16, weights + AdamW moments of consecutive 
 * naive: XOR with the previous step + plain byte grouping + zstd-3 per tensor (the baseline
   the issue names), mean bytes per version after the first (no keyframes: unbounded chains);
 * restore: median wall time of ``restore_sync`` of the last version of a chain (reads K blobs)
-  divided by that of its keyframe.
+  divided by that of its keyframe;
+* ours, ``delta_base = "keyframe"``: every delta XORed against the chain's keyframe (a restore
+  reads 2 blobs): its delta size vs naive and its restore ratio, side by side.
 
     python benchmarks/bench_delta.py [--steps 9] [--k 8]
 """
@@ -64,15 +66,15 @@ def split(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[st
     return w, o
 
 
-def run_manager(steps: list[dict[str, torch.Tensor]], root: Path, delta: bool, k: int
-                ) -> tuple[list[tuple[int, int]], float | None]:
+def run_manager(steps: list[dict[str, torch.Tensor]], root: Path, delta: bool, k: int,
+                base: str = "previous") -> tuple[list[tuple[int, int]], float | None]:
     """Save every step; return [(model bytes, optimizer bytes)] and restore(last)/restore(kf)."""
     w0, o0 = split(steps[0])
     w, o = Holder({n: t.clone() for n, t in w0.items()}), Holder(
         {n: t.clone() for n, t in o0.items()})
     cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "d"\n'
                        f"[checkpointing.compression]\ndelta = {str(delta).lower()}\n"
-                       f"keyframe_interval = {k}\n")
+                       f'keyframe_interval = {k}\ndelta_base = "{base}"\n')
     sizes = []
     with CheckpointManager(cfg, {"model": w, "optimizer": o}) as m:
         for i, sd in enumerate(steps, 1):
@@ -107,8 +109,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = ["| trajectory | part | raw MB | full MB/v | naive MB/v | ours delta MB/v | "
-            "ours/naive | ours chain MB/v | chain ratio vs raw | restore K-th / keyframe |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "ours/naive | ours chain MB/v | chain ratio vs raw | restore K-th / keyframe | "
+            "kf-base delta MB/v | kf-base / naive | kf-base restore K-th / keyframe |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory(prefix="bench-delta-") as tmp:
         for label, lr in (("pretrain", 1e-3), ("finetune", 1e-5)):
             for dtype in ("float32", "bfloat16"):
@@ -117,6 +120,7 @@ def main() -> None:
                 steps = [load_step(p) for p in paths]
                 full, _ = run_manager(steps, out / "full", False, args.k)
                 ours, restore_ratio = run_manager(steps, out / "delta", True, args.k)
+                kfb, kf_restore = run_manager(steps, out / "kfbase", True, args.k, "keyframe")
                 for part, idx in (("weights", 0), ("adam", 1)):
                     raw = sum(t.numel() * t.element_size()
                               for t in split(steps[0])[idx].values())
@@ -126,10 +130,12 @@ def main() -> None:
                     f = statistics.mean(s[idx] for s in full[1:])
                     d = statistics.mean(s[idx] for s in ours[1:args.k])  # delta versions
                     chain = statistics.mean(s[idx] for s in ours[:args.k])  # keyframe + deltas
+                    kd = statistics.mean(s[idx] for s in kfb[1:args.k])
                     rows.append(f"| {label} {dtype} | {part} | {raw / 1e6:.1f} | {f / 1e6:.2f} | "
                                 f"{naive / 1e6:.2f} | {d / 1e6:.2f} | {d / naive:.2f} | "
                                 f"{chain / 1e6:.2f} | {raw / chain:.1f}x | "
-                                f"{restore_ratio:.2f} |")
+                                f"{restore_ratio:.2f} | {kd / 1e6:.2f} | {kd / naive:.2f} | "
+                                f"{kf_restore:.2f} |")
     print(f"steps per trajectory: {args.steps}, keyframe_interval: {args.k}; full and naive: "
           "mean over versions 2..N; ours delta: mean over the K-1 delta versions of the first "
           "chain; ours chain: mean over keyframe + deltas (what a run stores); restore: the "

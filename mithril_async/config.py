@@ -30,6 +30,10 @@ class CompressionConfig(_Strict):
     threads: int | None = Field(None, ge=1, le=256, description="codec threads; None = all cores")
     delta: bool = False
     keyframe_interval: int = Field(8, ge=1, le=10_000)
+    #: what a delta version is XORed against: the previous version (smallest deltas, a restore
+    #: reads up to keyframe_interval blobs) or the chain's keyframe (a restore reads at most
+    #: 2 blobs; deltas grow with the distance to the keyframe)
+    delta_base: Literal["previous", "keyframe"] = "previous"
     #: store tensors unchanged since the previous version once (None: on when delta is on)
     dedup: bool | None = None
 

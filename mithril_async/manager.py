@@ -161,7 +161,7 @@ class CheckpointManager:
         self.chain_policy = ChainPolicy(
             delta=comp.delta and comp.enabled,
             dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
-            keyframe_interval=comp.keyframe_interval)
+            keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base)
         self._chains: dict[str, ItemChain] = {}
         self._loop: BackgroundLoop | None = None
         self._inflight: concurrent.futures.Future[SaveResult] | None = None

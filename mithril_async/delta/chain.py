@@ -7,6 +7,11 @@ by double-buffering the staging area: one buffer set holds the last committed sn
 base), the other receives the next snapshot; after a commit they swap. This costs one extra copy
 of the state in host memory and no I/O; a failed save leaves the base untouched.
 
+``delta_base = "keyframe"`` XORs every delta against the chain's keyframe instead: the buffers
+do not swap after a delta commits (the keyframe's snapshot stays the base), so a restore reads
+at most two blobs whatever the interval, at the price of deltas that grow with the distance to
+the keyframe.
+
 Tensors bitwise unchanged since the previous version (frozen layers, embeddings, LoRA bases)
 are not stored again: the blob references the blob holding their last full copy (verified by
 xxh64 of the tensor's raw bytes at restore), in keyframes and deltas alike.
@@ -32,6 +37,7 @@ class ChainPolicy:
     delta: bool = False
     dedup: bool = False
     keyframe_interval: int = 8
+    delta_base: str = "previous"  # or "keyframe"
 
     @property
     def double_buffer(self) -> bool:
@@ -112,7 +118,15 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
 
 def commit_item(chain: ItemChain, written_idx: int, version_id: str, ref: BlobRef,
                 plan: EncodePlan, hashes: dict[str, int], names: list[str]) -> None:
-    """Make the just-committed snapshot the base of the next version."""
+    """Make the just-committed snapshot the base of the next version.
+
+    Under ``delta_base = "keyframe"`` a version coded against the base (deltas, references)
+    leaves the keyframe as the base; only a keyframe replaces it.
+    """
+    depends = bool(plan.base_views or plan.refs)
+    if chain.policy.delta_base == "keyframe" and depends and chain.base_blob is not None:
+        chain.chain_len += 1  # versions in this keyframe's group, for keyframe_interval
+        return
     holder = BaseRef(version_id=version_id, key=ref.key, xxh64=ref.xxh64)
     phys: dict[str, TensorRef] = {}
     for name in names:

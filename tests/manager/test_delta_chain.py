@@ -60,6 +60,31 @@ def test_chain_with_keyframes_restores_every_version(make_config: ConfigFactory,
             assert state_equal(snaps[i - 1]["opt"], opt.state_dict())
 
 
+def test_deltas_against_the_keyframe_restore_from_two_blobs(make_config: ConfigFactory,
+                                                           tmp_path: Path) -> None:
+    cfg = make_config(DELTA.replace("keyframe_interval = 3", "keyframe_interval = 4")
+                      + 'delta_base = "keyframe"\n', keep_last=3)
+    snaps, (model, opt) = _train_and_save(cfg, 9)
+    bases = [(_manifest(tmp_path, f"v{i:06d}")["model"]["base"] or {}).get("version_id")
+             for i in range(7, 10)]
+    # keyframes v1, v5, v9; v6-v8 all XOR against v5 (which retention therefore keeps)
+    assert bases == ["v000005", "v000005", None]
+    assert (tmp_path / "runs" / "run1" / "versions" / "v000005").is_dir()
+    assert not (tmp_path / "runs" / "run1" / "versions" / "v000004").exists()
+    with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
+        assert m.all_steps() == [5, 7, 8, 9]
+        for i in (8, 5, 7, 9):
+            assert m.restore_sync(f"v{i:06d}") == i
+            assert state_equal(snaps[i - 1]["model"], model.state_dict())
+            assert state_equal(snaps[i - 1]["opt"], opt.state_dict())
+        batcher = make_state()[2]
+        for step in (10, 11):  # after a restore the next version starts a new chain
+            train_step(model, opt, batcher)
+            m.save_nowait(step).result()
+    assert _manifest(tmp_path, "v000010")["model"]["base"] is None
+    assert _manifest(tmp_path, "v000011")["model"]["base"]["version_id"] == "v000010"
+
+
 def test_unchanged_tensors_stored_once_and_referenced(make_config: ConfigFactory,
                                                       tmp_path: Path) -> None:
     cfg = make_config(DELTA)
