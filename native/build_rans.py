@@ -26,6 +26,7 @@ size_t mr_encode_bound(size_t n);
 int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
 size_t mr2_encode_bound(size_t n);
+size_t mr2_encode_cap(size_t n, size_t limit);
 int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
 int mr_set_level(int level);

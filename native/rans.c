@@ -433,7 +433,18 @@ int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n) {
 
 size_t mr2_encode_bound(size_t n) {
     /* front: finished blocks; tail: the backward stream of the block being coded */
-    return HDR + nblocks(n) * (V2_BLK_FIXED + 512) + 2 * n + 4 * n + 64 * V2_LANES + 256;
+    /* finished blocks take <= their tables + 2 bytes per symbol (one 16-bit word at most per
+     * symbol); the block being coded streams down from the end into what is left of that */
+    return HDR + nblocks(n) * (V2_BLK_FIXED + 512) + 2 * n + 64 * V2_LANES + 256;
+}
+
+size_t mr2_encode_cap(size_t n, size_t limit) {
+    /* the coder gives up once the finished blocks reach limit, so it never needs more than
+     * limit + one block's table and stream */
+    size_t bound = mr2_encode_bound(n);
+    size_t alt = limit + HDR + V2_BLK_FIXED + 512 + 2 * ((size_t)1 << BLOCK_LOG) + 64 * V2_LANES
+                 + 256;
+    return limit < bound && alt < bound ? alt : bound;
 }
 
 /* one symbol into state j: branch-free renormalisation (the low word is always stored, the
@@ -548,7 +559,7 @@ int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_
         }
     }
 #endif
-    if (n == 0 || n > 0xFFFFFFFFu || cap < mr2_encode_bound(n)) return -1;
+    if (n == 0 || n > 0xFFFFFFFFu || cap < mr2_encode_cap(n, limit)) return -1;
     ftab = (uint16_t *)malloc(nb * 256 * sizeof(uint16_t));
     if (!ftab) return -1;
     for (b = 0; b < nb; b++) {

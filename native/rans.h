@@ -12,6 +12,8 @@ int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t
 int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
 /* RANS plane format v2: 32 interleaved 32-bit states, one 16-bit word stream (AVX2 decoder) */
 size_t mr2_encode_bound(size_t n);
+/* the dst capacity mr2_encode needs when it may give up at limit bytes (<= the bound) */
+size_t mr2_encode_cap(size_t n, size_t limit);
 int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
 /* SIMD level for the decoders: 0 scalar, 1 AVX2; <0 or above what the CPU has: the best. */

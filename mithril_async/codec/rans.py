@@ -78,7 +78,8 @@ def encode(plane: U8, limit: int, *, version: int = 2) -> bytes | None:
     if n == 0 or n > 0xFFFFFFFF:
         return b""
     v2 = version == 2 and NATIVE_V2  # (NATIVE checked above)
-    cap = int((_lib.mr2_encode_bound if v2 else _lib.mr_encode_bound)(n))
+    # v2: a limit below the plane's size (the usual case) needs a smaller buffer
+    cap = int(_lib.mr2_encode_cap(n, min(limit, 1 << 62)) if v2 else _lib.mr_encode_bound(n))
     dst: U8 | None = getattr(_tls, "dst", None)
     if dst is None or dst.size < cap:  # per-thread buffer: no page faults per plane
         dst = _tls.dst = np.empty(cap, np.uint8)

@@ -100,6 +100,22 @@ def test_without_native_rans_deflate_is_written_and_rans_still_read(
     assert np.array_equal(out, src)
 
 
+@pytest.mark.skipif(not rans.NATIVE_V2, reason="native rANS coder v2 not built")
+def test_rans_output_buffer_sized_by_the_limit() -> None:
+    """Below the plane's size a limit shrinks the coder's buffer (~limit, not 2x the plane)."""
+    x = (np.random.default_rng(6).geometric(0.3, 6 << 20) % 256).astype(np.uint8)
+    enc = rans.encode(x, 1 << 40)
+    assert enc and len(enc) < x.size // 2
+    limit = len(enc) * 101 // 100
+    cap = int(rans._lib.mr2_encode_cap(x.size, limit))
+    assert cap < int(rans._lib.mr2_encode_bound(x.size)) // 2
+    assert rans.encode(x, limit) == enc
+    assert rans.encode(x, len(enc)) == b""
+    out = np.empty_like(x)
+    rans.decode(enc, out, where="p")
+    assert np.array_equal(out, x)
+
+
 @pytest.mark.skipif(not rans.NATIVE, reason="native rANS coder not built")
 @pytest.mark.parametrize("version", [1, 2])
 def test_rans_native_and_python_decoders_agree_and_reject_garbage(version: int) -> None:
@@ -126,6 +142,10 @@ def test_rans_native_and_python_decoders_agree_and_reject_garbage(version: int) 
             rans.set_level(-1)
         with pytest.raises(InvalidFormat):  # a plane method promising the other layout
             rans.decode(enc, np.empty(n, np.uint8), where="p", version=3 - version)
+        # a limit a little above the coded size gives the same bytes (the coder's early exit
+        # works on an estimate); at the coded size it gives up
+        assert rans.encode(x, len(enc) * 101 // 100 + 512, version=version) == enc
+        assert rans.encode(x, len(enc), version=version) == b""
         for pos in rng.integers(0, len(enc), 30):
             bad = bytearray(enc)
             bad[pos] ^= 1 << int(rng.integers(8))
