@@ -11,7 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mithril_async.errors import ConfigError
 
@@ -61,6 +68,53 @@ class RemoteConfig(_Strict):
     mode: Literal["mirror", "remote_only"] = "mirror"
 
 
+class LossyConfig(_Strict):
+    """Opt-in lossy tier (``[checkpointing.lossy]``): ExCP-style lossy deltas of weights and
+    Adam moments (mithril_async/lossy/lossy_delta.py), one MLDC blob per version and rank.
+
+    Only float tensors with a role (a model parameter, or its optimizer ``exp_avg`` /
+    ``exp_avg_sq``) of at least ``min_numel`` elements are coded lossily; everything else —
+    buffers, step counters, non-float and small tensors, and names matching ``exact`` — stays
+    in the lossless blobs, bit for bit.
+    """
+
+    enabled: bool = False
+    density: float = Field(0.05, gt=0, le=1, description="fraction of residual entries kept")
+    v_density: float | None = Field(None, gt=0, le=1, description="exp_avg_sq; None = density")
+    bits: int = Field(4, ge=2, le=8, description="width of kept weight residuals")
+    moment_bits: int | None = Field(None, ge=2, le=8, description="moments; None = bits")
+    block_size: int = Field(256, ge=8, le=1 << 20)
+    keyframe_every: int = Field(10, ge=1, le=10_000, description="versions per lossy chain")
+    joint: bool = True
+    v_log: bool = True
+    fisher_weighted: bool = True
+    min_numel: int = Field(1024, ge=1)
+    level: int = Field(3, ge=1, le=22, description="zstd level of masks and lossless parts")
+    keyframe: Literal["lossless", "quantized"] = "lossless"
+    keyframe_bits: int = Field(8, ge=2, le=8, description="quantized keyframes: weights")
+    keyframe_moment_bits: int = Field(6, ge=2, le=8, description="quantized keyframes: moments")
+    #: weights and exp_avg: |x̂ - x| <= error_rel * max|x| per tensor (None: unbounded)
+    error_rel: float | None = Field(None, gt=0, lt=1)
+    #: exp_avg_sq (v_log): |v̂ - v| <= v_error_rel * v elementwise (None: unbounded)
+    v_error_rel: float | None = Field(None, gt=0, lt=1)
+    #: glob patterns of "<item>/<tensor>" names (e.g. "model/head.*") never stored lossily
+    exact: list[str] = Field(default_factory=list)
+
+    @field_validator("exact")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        for pat in v:
+            if not pat.strip():
+                raise ValueError("exact patterns must not be empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _v_bound_needs_log(self) -> LossyConfig:
+        if self.v_error_rel is not None and not self.v_log:
+            raise ValueError("v_error_rel needs v_log = true (it is a log-domain bound)")
+        return self
+
+
 class CheckpointingConfig(_Strict):
     """The ``[checkpointing]`` table (seed 002 plus compression, pipeline and remote)."""
 
@@ -78,6 +132,7 @@ class CheckpointingConfig(_Strict):
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig())
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig())
     remote: RemoteConfig | None = None
+    lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
 
     @field_validator("runs_path")
     @classmethod

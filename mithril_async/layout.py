@@ -63,6 +63,9 @@ class RunLayout:
         stem = "opt_shard" if kind == "optimizer" else f"{kind}_shard"
         return join_key(self.version_dir(number), f"{stem}_rank{rank:04d}.bin")
 
+    def lossy_key(self, number: int, rank: int) -> str:
+        return join_key(self.version_dir(number), f"lossy_rank{rank:04d}.mldc")
+
     def rng_key(self, number: int, rank: int) -> str:
         return join_key(self.version_dir(number), f"rng_rank{rank:04d}.json")
 

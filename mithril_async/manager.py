@@ -62,6 +62,14 @@ from mithril_async.manifest import (
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.lossy import (
+    LossyTrack,
+    Roles,
+    lossy_roles,
+    merge_lossy,
+    read_lossy_chain,
+    write_lossy,
+)
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.pipeline.stager import Snapshot
 from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN, Policy, plan_retention
@@ -163,6 +171,9 @@ class CheckpointManager:
             dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
             keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base)
         self._chains: dict[str, ItemChain] = {}
+        #: the opt-in lossy tier ([checkpointing.lossy]); None keeps the lossless path as is
+        self._lossy = LossyTrack(self.cfg.lossy) if self.cfg.lossy.enabled else None
+        self._roles: Roles = {}
         self._loop: BackgroundLoop | None = None
         self._inflight: concurrent.futures.Future[SaveResult] | None = None
         self._error: BaseException | None = None
@@ -360,6 +371,7 @@ class CheckpointManager:
             else:
                 out[name] = {"json_state": obj.get_state()}
         self._skeletons = skeletons
+        self._roles = lossy_roles(self.state) if self._lossy is not None else {}
         out["__rng__"] = {"rng": capture_rng()}
         return out
 
@@ -373,20 +385,31 @@ class CheckpointManager:
                        if isinstance(s, dict) and "json_state" in s}
         rng = snaps["__rng__"]
         assert isinstance(rng, dict)
-        job = self._run_save(res, dict(metrics or {}), items, json_states, rng["rng"], t0)
+        job = self._run_save(res, dict(metrics or {}), items, json_states, rng["rng"], t0,
+                             self._roles)
         fut = self.loop.submit(job)
         self._inflight = fut
         return SaveHandle(res, fut)
 
     async def _run_save(self, res: SaveResult, metrics: dict[str, Any], items: list[StagedItem],
-                        json_states: dict[str, Any], rng: dict[str, Any], t0: float
-                        ) -> SaveResult:
+                        json_states: dict[str, Any], rng: dict[str, Any], t0: float,
+                        roles: Roles) -> SaveResult:
+        """One save; a lossy version that did not commit never becomes the next base."""
+        try:
+            return await self._run_save_inner(res, metrics, items, json_states, rng, t0, roles)
+        finally:
+            if self._lossy is not None:
+                self._lossy.rollback()  # no-op once the version committed
+
+    async def _run_save_inner(self, res: SaveResult, metrics: dict[str, Any],
+                              items: list[StagedItem], json_states: dict[str, Any],
+                              rng: dict[str, Any], t0: float, roles: Roles) -> SaveResult:
         coord = self.coordinator
         number = await coord.agree_version(self.catalog.claim_version)
         res.version_id = version_id(number)
         updates: list[_ChainUpdate] = []
         try:
-            part = await self._write_part(number, res, items, json_states, rng, updates)
+            part = await self._write_part(number, res, items, json_states, rng, updates, roles)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
                 await asyncio.shield(self._discard(number))
@@ -424,6 +447,10 @@ class CheckpointManager:
             self._steps.add(res.step)
         for chain, idx, ref, plan, hashes, names in updates:
             commit_item(chain, idx, version_id(number), ref, plan, hashes, names)
+        if self._lossy is not None and part.lossy is not None:
+            mine = part.lossy.shards[0]
+            self._lossy.commit(BaseRef(version_id=version_id(number), key=mine.key,
+                                       xxh64=mine.xxh64))
         if manifest is not None:
             await self._after_commit(manifest, outcome.manifest_key or "")
         res.status = "committed"
@@ -465,13 +492,15 @@ class CheckpointManager:
 
     async def _write_part(self, number: int, res: SaveResult, items: list[StagedItem],
                           json_states: dict[str, Any], rng: dict[str, Any],
-                          updates: list[_ChainUpdate]) -> RankPart:
+                          updates: list[_ChainUpdate], roles: Roles | None = None) -> RankPart:
         """Write this rank's blobs and RNG file durably; report what was written.
 
         ``updates`` receives the chain bookkeeping to apply once the version commits.
         """
         part = RankPart(rank=self.rank)
         loop = asyncio.get_running_loop()
+        if self._lossy is not None:
+            items = await self._write_lossy(number, res, items, roles or {}, part)
         for item in items:
             chain = self._chains[item.name]
             plan, hashes = (await loop.run_in_executor(self._pool, plan_item, chain, item.tensors)
@@ -504,6 +533,27 @@ class CheckpointManager:
         res.bytes_out += part.bytes_out
         return part
 
+    async def _write_lossy(self, number: int, res: SaveResult, items: list[StagedItem],
+                           roles: Roles, part: RankPart) -> list[StagedItem]:
+        """Encode and store this rank's lossy blob; return the items without its tensors.
+
+        Only the rank-0 model is coded lossily when the model is not sharded (as for the
+        lossless model blob); the staged buffers are read, never changed."""
+        assert self._lossy is not None
+        if self.rank != 0 and not self.sharded_model:
+            roles = {k: v for k, v in roles.items() if not k.startswith("model/")}
+        lossy_state, rest = self._lossy.split(items, roles)
+        if not lossy_state:
+            return items
+        loop = asyncio.get_running_loop()
+        ckpt = await loop.run_in_executor(self._pool, self._lossy.encode, lossy_state, roles)
+        shard = await write_lossy(self.store, self.layout.lossy_key(number, self.rank), ckpt,
+                                  self._lossy.base, self.rank, self._pool, self.cfg.lossy.level)
+        part.lossy = self._lossy.entry(ckpt, shard)
+        part.bytes_in += shard.raw_bytes
+        part.bytes_out += shard.bytes
+        return rest
+
     async def _build_manifest(self, number: int, res: SaveResult, metrics: dict[str, Any],
                               parts: list[RankPart]) -> VersionManifest:
         model = parts[0].model
@@ -516,7 +566,12 @@ class CheckpointManager:
         optimizer = None
         if "optimizer" in shards:
             optimizer = OptimizerEntry(sharding="per_rank", shards=shards.pop("optimizer"))
-        exact = all(p.exact for p in parts)
+        lossy = None
+        if parts[0].lossy is not None:
+            lossy = parts[0].lossy.model_copy(update={"shards": [
+                s for p in parts if p.lossy is not None for s in p.lossy.shards]})
+        quantized = lossy is not None and bool(lossy.quantized)
+        exact = all(p.exact for p in parts) and not quantized
         return VersionManifest(
             run_id=self.run_id, version_id=version_id(number), created_at=utcnow(),
             step=res.step, world_size=self.world_size,
@@ -530,6 +585,7 @@ class CheckpointManager:
             compression=self._codec.describe(),
             stats=SaveStats(stall_s=res.stall_s, bytes_in=sum(p.bytes_in for p in parts),
                             bytes_out=sum(p.bytes_out for p in parts)),
+            has_quantization=quantized, lossy=lossy,
         )
 
     async def _write_config(self) -> BlobRef | None:
@@ -673,13 +729,14 @@ class CheckpointManager:
                 refs[name] = self._rank_ref(m, name, shards)
         load_blob = self._blob_loader(m)
         trees: dict[str, Any] = {}
+        lossy = await self._read_lossy(m)
         if load == "model":  # per-rank RNG/data state is not restored for a model-only load
-            trees["model"] = unflatten_state(
-                *await self._codec.read(self.store, refs["model"], load_blob))
+            skeleton, tensors = await self._codec.read(self.store, refs["model"], load_blob)
+            trees["model"] = unflatten_state(skeleton, merge_lossy("model", tensors, lossy))
             return m, trees, {}
         for name, ref in refs.items():
             skeleton, tensors = await self._codec.read(self.store, ref, load_blob)
-            trees[name] = unflatten_state(skeleton, tensors)
+            trees[name] = unflatten_state(skeleton, merge_lossy(name, tensors, lossy))
         rng_ref = self._rank_ref(m, "rng", m.rng.keys)
         rng_key = rng_ref.key
         rng_bytes = await self.catalog._get_metadata(rng_key)
@@ -697,6 +754,18 @@ class CheckpointManager:
             raise InvalidFormat(f"{key}: says step {m.step} but {rng_key} was saved at step "
                                 f"{rng_doc.get('step') if isinstance(rng_doc, dict) else '?'}")
         return m, trees, rng_doc
+
+    async def _read_lossy(self, m: VersionManifest) -> dict[str, Any]:
+        """This rank's lossy tensors of ``m``, decoded along its chain (empty if lossless)."""
+        if m.lossy is None:
+            return {}
+        rank = self.rank if m.world_size == self.world_size else 0
+
+        async def manifest_of(vid: str) -> VersionManifest:
+            return await self.catalog.read_manifest(
+                self.layout.manifest_key(version_number(vid)))
+
+        return await read_lossy_chain(self.store, m, rank, self._pool, manifest_of)
 
     def _check_world_size(self, m: VersionManifest, load: str) -> None:
         """Refuse a restore across world sizes unless it is the full model of rank 0."""
@@ -772,5 +841,7 @@ class CheckpointManager:
             restore_rng(rng_doc["rng"])
         for chain in self._chains.values():
             chain.reset()  # the live state no longer matches the staged base
+        if self._lossy is not None:
+            self._lossy.reset()  # nor the lossy chain's reconstruction
         if self._steps is not None:
             self._steps.add(m.step)

@@ -62,7 +62,7 @@ class BlobRef(_Keyed):
     bytes: int = Field(ge=0, le=1 << 50)
     xxh64: str = Field(pattern=r"^[0-9a-f]{16}$")
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    format: Literal["mckp", "safetensors", "json", "toml"] = "mckp"
+    format: Literal["mckp", "safetensors", "json", "toml", "mldc"] = "mckp"
     raw_bytes: int = Field(default=0, ge=0, le=1 << 50)
     #: the blob this one is XOR-delta encoded against (None for a keyframe)
     base: BaseRef | None = None
@@ -108,6 +108,32 @@ class SaveStats(_Model):
     bytes_out: int = 0
 
 
+class LossyEntry(_Model):
+    """How a version's lossy part was made (``[checkpointing.lossy]``), and where it is.
+
+    One MLDC blob per rank (docs/FORMAT.md). A delta's ``base`` names the previous version's
+    lossy blob: restoring it decodes the chain from its keyframe, and retention keeps that
+    chain because bases are dependencies."""
+
+    codec: Literal["excp_delta"] = "excp_delta"
+    version: int = 1
+    #: this version starts a chain (no base)
+    keyframe: bool
+    #: position in the chain (0 = the keyframe)
+    index: int = Field(ge=0)
+    #: the LossyDeltaConfig the blob was encoded with (density, bits, keyframe mode, bounds...)
+    params: dict[str, Any] = Field(default_factory=dict)
+    #: "<item>/<tensor>" names held in the lossy blob (all others are in the lossless blobs)
+    tensors: list[str] = Field(default_factory=list)
+    #: names whose stored values are quantised in this version (empty for a lossless keyframe)
+    quantized: list[str] = Field(default_factory=list)
+    shards: list[ShardRef] = Field(default_factory=list)
+
+
+def _falsy(v: Any) -> bool:
+    return not v
+
+
 class VersionManifest(_Model):
     """``versions/vNNNNNN/manifest.json``: everything needed to restore one version."""
 
@@ -127,14 +153,20 @@ class VersionManifest(_Model):
     metrics: dict[str, Any] = Field(default_factory=dict)
     compression: dict[str, Any] = Field(default_factory=dict)
     stats: SaveStats = Field(default_factory=SaveStats)
+    #: some stored tensor of this version is quantised (lossy tier, always opt-in); written
+    #: only when true, so lossless manifests are what they were before the lossy tier
+    has_quantization: bool = Field(False, exclude_if=_falsy)
+    lossy: LossyEntry | None = Field(None, exclude_if=_falsy)
 
     def blobs(self) -> list[BlobRef]:
-        """Every blob this version names (model, optimizer shards, extras)."""
+        """Every blob this version names (model, optimizer shards, extras, lossy shards)."""
         out: list[BlobRef] = [self.model]
         if self.optimizer is not None:
             out.extend(self.optimizer.shards)
         for shards in self.extra.values():
             out.extend(shards)
+        if self.lossy is not None:
+            out.extend(self.lossy.shards)
         return out
 
     def all_keys(self) -> list[str]:

@@ -81,11 +81,26 @@ class VersionReader:
         return tensors
 
 
+async def _lossy_tensors(catalog: RunCatalog, m: VersionManifest, rank: int,
+                         reader: VersionReader) -> dict[str, Any]:
+    """The lossy tier's tensors of ``m`` (``[checkpointing.lossy]``), decoded along its chain."""
+    if m.lossy is None:
+        return {}
+    from mithril_async.manifest import version_number
+    from mithril_async.pipeline.lossy import read_lossy_chain
+
+    async def manifest_of(vid: str) -> VersionManifest:
+        return await catalog.read_manifest(catalog.layout.manifest_key(version_number(vid)))
+
+    return await read_lossy_chain(catalog.store, m, rank, reader.pool, manifest_of)
+
+
 async def read_version(catalog: RunCatalog, target: str | int, *, rank: int = 0,
                        items: set[str] | None = None
                        ) -> tuple[VersionManifest, dict[str, Any], dict[str, Any]]:
     """(manifest, {item: state tree}, rng document) of one version, as ``rank`` saved it."""
     from mithril_async.errors import InvalidFormat
+    from mithril_async.pipeline.lossy import merge_lossy
     from mithril_async.state import unflatten_state
 
     m = await catalog.read_manifest(await catalog.resolve(target))
@@ -100,10 +115,11 @@ async def read_version(catalog: RunCatalog, target: str | int, *, rank: int = 0,
     reader = VersionReader(catalog)
     trees: dict[str, Any] = {}
     try:
+        lossy = await _lossy_tensors(catalog, m, rank, reader)
         for name, ref in refs.items():
             if items is None or name in items:
                 skeleton, tensors = await reader.read(ref)
-                trees[name] = unflatten_state(skeleton, tensors)
+                trees[name] = unflatten_state(skeleton, merge_lossy(name, tensors, lossy))
     finally:
         reader.close()
     rng_doc: dict[str, Any] = {}

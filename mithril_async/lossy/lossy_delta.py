@@ -24,10 +24,23 @@ is left. We follow that shape with three choices made for a checkpoint manager:
   resumed-loss gap 2.5 % -> 0.2 % (docs/FORMAT.md, HPΔKV section). ``v_log=False`` gives
   the plain ExCP joint linear rule. exp_avg_sq always stays ``>= 0``.
 
-Lossless **keyframes** start every chain (every ``keyframe_every`` checkpoints), and tensors the
-user marked exact, non-float tensors, tensors without a role and small tensors are always stored
-losslessly — lossy is never applied to them. The checkpoint says ``has_quantization`` in
-:meth:`LossyCheckpoint.manifest_fields`.
+**Keyframes** start every chain (every ``keyframe_every`` checkpoints). By default they are
+lossless. ``keyframe_mode="quantized"`` quantises them too, because with lossless keyframes the
+keyframe dominates a chain's size (measured ~8x whole chain vs ~50x per delta): weights and
+exp_avg at ``keyframe_bits`` / ``keyframe_moment_bits`` per value (uniform per block), and
+exp_avg_sq as ``log2 v`` at ``keyframe_moment_bits`` over its non-zero entries (its relative
+error is what Adam feels; zeros stay exactly zero). Such a keyframe reuses the delta record
+shape (``ref="zero"``, a mask of the coded entries), so the byte format is unchanged.
+
+**Error bounds** (optional): ``error_rel`` bounds ``|x̂ - x| <= error_rel * max|x|`` for every
+weight and exp_avg entry, ``v_error_rel`` bounds exp_avg_sq's elementwise relative error (log
+domain only). They hold for keyframes and deltas alike: a delta adds every entry whose residual
+exceeds the bound to the kept set (density is then a floor, not a cap) and quantises kept
+values with an enforced :class:`ErrorBound`.
+
+Tensors the user marked exact, non-float tensors, tensors without a role and small tensors are
+always stored losslessly — lossy is never applied to them. The checkpoint says
+``has_quantization`` in :meth:`LossyCheckpoint.manifest_fields`.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ import zstandard
 
 from mithril_async.errors import InvalidFormat, MissingPrevious
 from mithril_async.lossy.lossless import decode_lossless, encode_lossless
-from mithril_async.lossy.quant import QuantizedTensor, dequantize, quantize
+from mithril_async.lossy.quant import ErrorBound, QuantizedTensor, dequantize, quantize
 
 Role = Literal["param", "exp_avg", "exp_avg_sq"]
 _LOSSY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -76,15 +89,28 @@ class LossyDeltaConfig:
     min_numel: int = 1024  # smaller tensors are stored losslessly
     exact: tuple[str, ...] = ()  # names / glob patterns never stored lossily
     level: int = 3  # zstd level for masks, codes and lossless parts
+    keyframe_mode: str = "lossless"  # or "quantized" (see module doc)
+    keyframe_bits: int = 8  # quantised keyframes: width of weight values
+    keyframe_moment_bits: int = 6  # quantised keyframes: width of exp_avg and log2(exp_avg_sq)
+    error_rel: float | None = None  # weights / exp_avg: |x̂ - x| <= error_rel * max|x|
+    v_error_rel: float | None = None  # exp_avg_sq (v_log): |v̂ - v| <= v_error_rel * v
 
     def __post_init__(self) -> None:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.v_density is not None and not 0.0 < self.v_density <= 1.0:
+            raise ValueError(f"v_density must be in (0, 1], got {self.v_density}")
         if self.keyframe_every < 1:
             raise ValueError(f"keyframe_every must be >= 1, got {self.keyframe_every}")
-        for b in (self.bits, self.moment_bits):
+        for b in (self.bits, self.moment_bits, self.keyframe_bits, self.keyframe_moment_bits):
             if b is not None and not 2 <= b <= 8:
                 raise ValueError(f"bits must be in 2..8, got {b}")
+        if self.keyframe_mode not in ("lossless", "quantized"):
+            raise ValueError(f"keyframe_mode must be lossless|quantized, got {self.keyframe_mode}")
+        for name in ("error_rel", "v_error_rel"):
+            e = getattr(self, name)
+            if e is not None and not 0.0 < e < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {e}")
 
     def is_exact(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) for pat in self.exact)
@@ -163,6 +189,9 @@ def _unpack_mask(kept: int, blob: bytes, n: int) -> torch.Tensor:
 
 
 _LOG_FLOOR = 1e-30
+#: share of an error bound given to the quantiser; the rest absorbs float32 rounding of the
+#: reconstruction (``ref + value``, ``exp2``) that the quantiser cannot see
+_SLACK = 0.9
 
 
 def _log2(x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +236,8 @@ class _Chain:
                 new[name] = decode_lossless(rec.blob, rec.shape, rec.dtype)
                 continue
             prev = self.recon.get(name)
+            if rec.ref == "zero" and rec.row_shift is None:  # quantised keyframe / fresh moment
+                prev = torch.zeros(rec.shape, dtype=torch.float32)
             if prev is None or tuple(prev.shape) != rec.shape:
                 raise MissingPrevious(f"lossy delta for {name} has no matching previous tensor")
             if rec.values is None or rec.mask_key not in ckpt.masks:
@@ -242,6 +273,27 @@ class LossyDeltaEncoder:
         self._chain = _Chain()
         self._count = 0
 
+    def mark(self) -> tuple[dict[str, torch.Tensor], int, int]:
+        """The encoder's position, for :meth:`rollback` if the checkpoint is never stored.
+
+        Why: every delta is coded against the previous *reconstruction*; a checkpoint a
+        caller failed to commit must not become the base of the next one. Cheap: ``encode``
+        replaces the reconstruction dict, it never mutates it."""
+        return self._chain.recon, self._chain.index, self._count
+
+    def rollback(self, mark: tuple[dict[str, torch.Tensor], int, int]) -> None:
+        self._chain.recon, self._chain.index, self._count = mark
+
+    def reset(self) -> None:
+        """Forget the chain: the next checkpoint is a keyframe."""
+        self._chain = _Chain()
+        self._count = 0
+
+    @property
+    def reconstruction(self) -> dict[str, torch.Tensor]:
+        """What a reader decodes for the last encoded checkpoint (float32 copies)."""
+        return self._chain.recon
+
     def _lossy_ok(self, name: str, t: torch.Tensor, roles: Mapping[str, tuple[str, Role]]) -> bool:
         c = self.config
         return (name in roles and t.dtype in _LOSSY_DTYPES and t.numel() >= c.min_numel
@@ -257,15 +309,19 @@ class LossyDeltaEncoder:
         ckpt = LossyCheckpoint(index=index, keyframe=keyframe, config=c,
                                raw_bytes=sum(t.numel() * t.element_size() for t in state.values()))
         groups: dict[str, dict[Role, str]] = {}
+        quantized_kf = keyframe and c.keyframe_mode == "quantized"
         for name, t in state.items():
-            if keyframe or not self._lossy_ok(name, t, roles):
+            if (keyframe and not quantized_kf) or not self._lossy_ok(name, t, roles):
                 ckpt.records[name] = TensorRecord("lossless", tuple(t.shape), t.dtype,
                                                   blob=encode_lossless(t, c.level))
             else:
                 group, role = roles[name]
                 groups.setdefault(group, {})[role] = name
         for group, members in groups.items():
-            self._encode_group(ckpt, group, members, state)
+            if quantized_kf:
+                self._encode_keyframe_group(ckpt, group, members, state)
+            else:
+                self._encode_group(ckpt, group, members, state)
         self._chain.apply(ckpt, roles)
         self._count += 1
         return ckpt
@@ -291,10 +347,14 @@ class LossyDeltaEncoder:
             else:
                 deltas[role] = (d_prev, "prev")
         masks: dict[Role, torch.Tensor] = {}
-        for role, (delta, _) in deltas.items():
+        limits = {role: self._limit(role, state[members[role]], log_v) for role in deltas}
+        owner: dict[Role, Role] = {}
+        for role in deltas:
             own = role == "param" or "param" not in deltas or not c.joint or (
                 role == "exp_avg_sq" and log_v)
-            if not own:
+            owner[role] = role if own else "param"
+        for role, (delta, _) in deltas.items():
+            if owner[role] != role:
                 continue
             score = delta.reshape(-1).abs()
             if role == "param" and c.fisher_weighted and "exp_avg_sq" in members:
@@ -302,16 +362,25 @@ class LossyDeltaEncoder:
                 score = score * v.clamp(min=0).sqrt()
             density = c.v_density if role == "exp_avg_sq" and c.v_density else c.density
             k = max(1, math.ceil(density * score.numel()))
-            masks[role] = torch.sort(torch.topk(score, k, sorted=False).indices).values
+            keep = torch.zeros(score.numel(), dtype=torch.bool)
+            keep[torch.topk(score, k, sorted=False).indices] = True
+            # an error bound turns every residual it would not tolerate into a kept entry
+            for member, (mdelta, _) in deltas.items():
+                lim = limits[member]
+                if owner[member] == role and lim is not None:
+                    keep |= mdelta.reshape(-1).abs() > _SLACK * lim
+            masks[role] = torch.nonzero(keep).reshape(-1)
         for role, (delta, ref) in deltas.items():
-            key_role: Role = role if role in masks else "param"
+            key_role = owner[role]
             idx = masks[key_role]
             key = f"{group}/{key_role}"
             if key not in ckpt.masks:
                 ckpt.masks[key] = (idx.numel(), _pack_mask(idx, delta.numel(), c.level))
             bits = c.bits if role == "param" else (c.moment_bits or c.bits)
             name = members[role]
+            lim = limits[role]
             values = quantize(delta.reshape(-1)[idx], bits=bits, block_size=c.block_size,
+                              bound=None if lim is None else ErrorBound(max_abs=_SLACK * lim),
                               name=name)
             t = state[name]
             domain: Literal["linear", "log2"] = (
@@ -319,6 +388,47 @@ class LossyDeltaEncoder:
             ckpt.records[name] = TensorRecord("delta", tuple(t.shape), t.dtype, ref=ref,
                                               mask_key=key, values=values, domain=domain,
                                               row_shift=row_shifts.get(name))
+
+
+    def _limit(self, role: Role, t: torch.Tensor, log_v: bool) -> float | None:
+        """The error a residual of ``t`` may be left with (None: no bound configured).
+
+        exp_avg_sq in the log domain: ``log2(1 + v_error_rel)`` (a relative bound on v);
+        otherwise ``error_rel * max|t|`` (the :class:`ErrorBound` ``rel`` convention)."""
+        c = self.config
+        if role == "exp_avg_sq" and log_v:
+            return None if c.v_error_rel is None else math.log2(1.0 + c.v_error_rel)
+        if c.error_rel is None:
+            return None
+        return c.error_rel * float(t.detach().abs().max()) if t.numel() else 0.0
+
+    def _encode_keyframe_group(self, ckpt: LossyCheckpoint, group: str,
+                               members: dict[Role, str], state: Mapping[str, torch.Tensor]
+                               ) -> None:
+        """A quantised keyframe: every entry coded against zero (see module doc)."""
+        c = self.config
+        log_v = c.v_log and "exp_avg_sq" in members
+        for role, name in members.items():
+            t = state[name]
+            x = t.detach().to("cpu", torch.float32).reshape(-1)
+            domain: Literal["linear", "log2"] = "linear"
+            if role == "exp_avg_sq" and log_v:
+                idx = torch.nonzero(x > 0).reshape(-1)  # zeros stay exactly zero
+                vals = _log2(x[idx]) - _log2(torch.zeros(1))
+                key, domain = f"{group}/{role}", "log2"
+            else:
+                idx = torch.arange(x.numel())
+                vals = x
+                key = f"{group}/all"
+            if key not in ckpt.masks:
+                ckpt.masks[key] = (idx.numel(), _pack_mask(idx, x.numel(), c.level))
+            lim = self._limit(role, t, log_v)
+            bits = c.keyframe_bits if role == "param" else c.keyframe_moment_bits
+            values = quantize(vals, bits=bits, block_size=c.block_size,
+                              bound=None if lim is None else ErrorBound(max_abs=_SLACK * lim),
+                              name=name)
+            ckpt.records[name] = TensorRecord("delta", tuple(t.shape), t.dtype, ref="zero",
+                                              mask_key=key, values=values, domain=domain)
 
 
 class LossyDeltaDecoder:

@@ -30,6 +30,7 @@ from mithril_async.codec.safetensors_io import safetensors_header
 from mithril_async.codec.state_dict import decompress_state_dict, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
+from mithril_async.lossy.serial import checkpoint_from_bytes
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.storage.base import BlobWriter, Store
 
@@ -250,6 +251,14 @@ class BlobCodec:
             raise ChecksumMismatch(ref.key, ref.xxh64, digest)
         if ref.format == "safetensors":
             return await loop.run_in_executor(self.pool, _decode_safetensors, data, ref.key)
+        if ref.format == "mldc":
+            # a lossy blob decodes only along its chain (pipeline/lossy.py read_lossy_chain);
+            # here it is parsed and validated, so `mithril verify` checks it like any blob
+            try:
+                await loop.run_in_executor(self.pool, checkpoint_from_bytes, data)
+            except InvalidFormat as err:
+                raise InvalidFormat(f"{ref.key}: {err}") from None
+            return None, {}
         info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
         previous: dict[str, torch.Tensor] | None = None
         if any(t.base_xxh64 is not None for t in info.tensors):

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, Field
 
-from mithril_async.manifest import BlobRef, ShardRef
+from mithril_async.manifest import BlobRef, LossyEntry, ShardRef
 
 
 class RankPart(BaseModel):
@@ -29,6 +29,8 @@ class RankPart(BaseModel):
     rank: int
     model: BlobRef | None = None
     shards: dict[str, ShardRef] = Field(default_factory=dict)
+    #: this rank's lossy blob and how it was made ([checkpointing.lossy] only)
+    lossy: LossyEntry | None = None
     rng_key: str | None = None
     rng_xxh64: str | None = None
     exact: bool = True
