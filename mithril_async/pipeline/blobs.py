@@ -204,6 +204,10 @@ class BlobCodec:
         loop = asyncio.get_running_loop()
         budget = _Budget(self.pipe.max_inflight_mib << 20)
         pending: set[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = set()
+        # finished encodes arrive here in completion order (asyncio.wait over the whole
+        # pending set per drained chunk would cost O(chunks^2) callback bookkeeping)
+        finished: asyncio.Queue[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = (
+            asyncio.Queue())
 
         def encode(ti: int, ci: int, off: int, n: int) -> tuple[int, int, int, EncodedChunk]:
             src = views[ti][off:off + n]
@@ -213,19 +217,20 @@ class BlobCodec:
                                            self.params)
 
         async def drain_one() -> None:
-            nonlocal pending
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                ti, ci, n, enc = fut.result()
-                await sink(ti, ci, enc)
-                budget.used -= n
+            fut = await finished.get()
+            pending.discard(fut)
+            ti, ci, n, enc = fut.result()
+            await sink(ti, ci, enc)
+            budget.used -= n
 
         try:
             for ti, ci, off, n in jobs:
                 while not budget.fits(n):
                     await drain_one()
                 budget.used += n
-                pending.add(loop.run_in_executor(self.pool, encode, ti, ci, off, n))
+                fut = loop.run_in_executor(self.pool, encode, ti, ci, off, n)
+                fut.add_done_callback(finished.put_nowait)
+                pending.add(fut)
             while pending:
                 await drain_one()
         finally:
