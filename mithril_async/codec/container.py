@@ -430,11 +430,12 @@ def _parse_index(data: bytes | memoryview, tr: _Trailer, info: MckpInfo) -> None
         info.index[(ti, ci)] = BlockRef(ti, ci, off, ln)
 
 
-def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo,
-                     ) -> tuple[ChunkMeta, memoryview]:
+def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo, *,
+                     verify_payload: bool = True) -> tuple[ChunkMeta, memoryview]:
     """Validate one block (``ref.length`` bytes) and split it into metadata and payload.
 
-    The payload hash is checked here, so a caller may decode with ``verify_payload=False``.
+    The payload hash is checked here (unless ``verify_payload`` is false: a caller that has
+    checked a hash over the whole blob), so a caller may decode with ``verify_payload=False``.
     """
     where = info.block_name(ref.tensor, ref.chunk)
     mv = memoryview(data).cast("B")
@@ -467,9 +468,10 @@ def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo,
     except ValueError:
         raise InvalidFormat(f"{where}: unknown transform {transform}") from None
     payload = mv[hlen:]
-    got = xxhash.xxh64_intdigest(payload)
-    if got != pay_xxh:
-        raise ChecksumMismatch(f"{where} payload", pay_xxh, got)
+    if verify_payload:
+        got = xxhash.xxh64_intdigest(payload)
+        if got != pay_xxh:
+            raise ChecksumMismatch(f"{where} payload", pay_xxh, got)
     return ChunkMeta(transform, width, raw_size, raw_xxh, pay_xxh, planes), payload
 
 

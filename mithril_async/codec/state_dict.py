@@ -128,6 +128,12 @@ def decompress_state_dict(
 
     Raises ``MissingPrevious`` (naming the tensor) when a delta's base is absent or wrong,
     ``ChecksumMismatch``/``InvalidFormat`` (naming the block) on any corruption.
+
+    ``verify``: check the whole-blob xxh64 first (a flip anywhere is a ``ChecksumMismatch``
+    before any decoding); pass ``False`` only after checking a hash of the whole blob yourself
+    (the manager checks the manifest's).  Block payloads are not hashed again either way (the
+    whole-blob hash covers them); every decoded chunk is still checked against its raw xxh64,
+    and the decoders reject malformed planes, so no setting returns wrong bytes.
     """
     info = parse_blob(blob, verify=verify)
     mv = memoryview(blob).cast("B")
@@ -136,7 +142,8 @@ def decompress_state_dict(
     jobs = sorted(info.index.values(), key=lambda r: r.offset)
 
     def work(ref: Any) -> None:
-        meta, payload = block_from_bytes(mv[ref.offset:ref.offset + ref.length], ref, info)
+        meta, payload = block_from_bytes(mv[ref.offset:ref.offset + ref.length], ref, info,
+                                         verify_payload=False)
         off, ln = info.tensors[ref.tensor].chunks[ref.chunk]
         base = bases[ref.tensor]
         decode_chunk(payload, meta, None if base is None else base[off:off + ln],

@@ -136,15 +136,23 @@ def _outcomes(blob: bytes, cur: dict[str, torch.Tensor], prev: dict[str, torch.T
 def test_every_single_bit_flip_is_caught(blob_and_prev: tuple) -> None:
     blob, cur, prev = blob_and_prev
     rng = np.random.default_rng(0)
+    missed = 0
     for pos in range(len(blob)):
         bad = bytearray(blob)
         bad[pos] ^= 1 << int(rng.integers(8))
         with_hash, without, ranged = _outcomes(bytes(bad), cur, prev)
         assert with_hash, pos
-        # Without the whole-blob hash only a flip in that hash itself goes unnoticed
-        # (and then the data returned is exactly right).
+        # The ranged reader (per-block hashes) misses only a flip in the whole-blob hash.
         in_blob_hash = pos >= len(blob) - 8
-        assert without != in_blob_hash and ranged != in_blob_hash, pos
+        assert ranged != in_blob_hash, pos
+        # verify=False trusts a whole-blob hash the caller checked, so payloads are not
+        # rehashed: a flip in bits no decoder reads (e.g. a deflate stream's padding) decodes
+        # to exactly the right bytes (_outcomes asserts that); any other flip still raises.
+        if in_blob_hash:
+            assert not without, pos
+        else:
+            missed += not without
+    assert missed < len(blob) // 100
 
 
 def test_errors_name_the_place(blob_and_prev: tuple) -> None:
