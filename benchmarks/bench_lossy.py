@@ -220,6 +220,15 @@ KEYFRAME_SETTINGS: list[tuple[str, LossyDeltaConfig]] = [
         keyframe_moment_bits=4)),
     ("qkf8/6 d=.03 v=.01 b=3 kf=20", LossyDeltaConfig(
         density=0.03, v_density=0.01, bits=3, keyframe_mode="quantized", keyframe_every=20)),
+    ("qkf8/4 d=.03 v=.01 b=3 kf=24", LossyDeltaConfig(
+        density=0.03, v_density=0.01, bits=3, keyframe_mode="quantized",
+        keyframe_moment_bits=4, keyframe_every=24)),
+    ("qkf8/4 d=.10 v=.01 b=2 mb=3 kf=24", LossyDeltaConfig(
+        density=0.10, v_density=0.01, bits=2, moment_bits=3, keyframe_mode="quantized",
+        keyframe_moment_bits=4, keyframe_every=24)),
+    ("qkf8/4 d=.06 v=.01 b=3 nofisher kf=24", LossyDeltaConfig(
+        density=0.06, v_density=0.01, bits=3, fisher_weighted=False,
+        keyframe_mode="quantized", keyframe_moment_bits=4, keyframe_every=24)),
     ("qkf8/6 d=.03 v=.01 b=3 kf=20 bound", LossyDeltaConfig(
         density=0.03, v_density=0.01, bits=3, keyframe_mode="quantized", keyframe_every=20,
         error_rel=0.01, v_error_rel=0.5)),
@@ -245,8 +254,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the first three settings")
     ap.add_argument("--no-transformer", action="store_true",
                     help="skip the small-transformer (make_trajectory TinyLM) rows")
-    ap.add_argument("--tlm-steps", type=int, default=120)
-    ap.add_argument("--tlm-every", type=int, default=4)
+    ap.add_argument("--tlm-steps", type=int, default=600)
+    ap.add_argument("--tlm-every", type=int, default=25)
     args = ap.parse_args()
     torch.set_num_threads(2)
     t0 = time.perf_counter()
