@@ -47,11 +47,25 @@ def default_threads() -> int:
 
 
 def _map(fn: Any, items: list[Any], threads: int | None) -> list[Any]:
+    out: list[Any] = []
+    _each(fn, items, threads, out.append)
+    return out
+
+
+def _each(fn: Any, items: list[Any], threads: int | None, sink: Any) -> None:
+    """``sink(fn(item))`` for every item, in order, with ``fn`` on up to ``threads`` threads.
+
+    ``sink`` runs on the calling thread while later items are still being worked on, so
+    assembling the output overlaps with the coding.
+    """
     n = default_threads() if threads is None else max(1, threads)
     if n == 1 or len(items) <= 1:
-        return [fn(i) for i in items]
+        for i in items:
+            sink(fn(i))
+        return
     with ThreadPoolExecutor(max_workers=min(n, len(items))) as ex:
-        return list(ex.map(fn, items))
+        for result in ex.map(fn, items):
+            sink(result)
 
 
 def compress_state_dict(
@@ -93,10 +107,14 @@ def compress_state_dict(
         return encode_chunk(raw[off:off + ln], dname,
                             None if base is None else base[off:off + ln], p)
 
-    encoded = _map(work, jobs, threads)
     parts: list[Any] = [writer.begin()]
-    for (ti, ci), enc in zip(jobs, encoded, strict=True):
-        parts += writer.add_parts(ti, ci, enc)
+    order = iter(jobs)
+
+    def add(enc: Any) -> None:
+        ti, ci = next(order)
+        parts.extend(writer.add_parts(ti, ci, enc))
+
+    _each(work, jobs, threads, add)
     parts.append(writer.finish())
     return b"".join(parts)
 
