@@ -174,6 +174,7 @@ class CheckpointManager:
         #: the opt-in lossy tier ([checkpointing.lossy]); None keeps the lossless path as is
         self._lossy = LossyTrack(self.cfg.lossy) if self.cfg.lossy.enabled else None
         self._roles: Roles = {}
+        self._lossy_idle_warned = False
         self._loop: BackgroundLoop | None = None
         self._inflight: concurrent.futures.Future[SaveResult] | None = None
         self._error: BaseException | None = None
@@ -544,6 +545,12 @@ class CheckpointManager:
             roles = {k: v for k, v in roles.items() if not k.startswith("model/")}
         lossy_state, rest = self._lossy.split(items, roles)
         if not lossy_state:
+            if not self._lossy_idle_warned:  # enabled but nothing qualifies: say so, once
+                self._lossy_idle_warned = True
+                log.warning("[checkpointing.lossy] is enabled but no tensor of rank %d "
+                            "qualifies (model parameters with named_parameters() and their "
+                            "Adam moments, float, >= min_numel elements, not exact): this "
+                            "save is lossless", self.rank)
             return items
         loop = asyncio.get_running_loop()
         ckpt = await loop.run_in_executor(self._pool, self._lossy.encode, lossy_state, roles)

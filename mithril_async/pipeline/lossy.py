@@ -69,14 +69,21 @@ def delta_config(cfg: LossyConfig) -> LossyDeltaConfig:
 def lossy_roles(state: Mapping[str, Any]) -> Roles:
     """Roles of the model's parameters and their Adam moments, by ``"<item>/<tensor>"`` name.
 
-    Only ``state["model"]`` (anything with ``named_parameters``) and ``state["optimizer"]``
-    (anything with ``param_groups``) get roles; other items are never lossy."""
+    Only ``state["model"]`` (anything with ``named_parameters``, or a
+    :class:`~mithril_async.distributed.ShardedModel` around one) and ``state["optimizer"]``
+    (anything with ``param_groups``, or a ``ShardedOptimizer``, whose state is keyed by
+    parameter name) get roles; other items are never lossy."""
     model, opt = state.get("model"), state.get("optimizer")
-    named = getattr(model, "named_parameters", None)
+    named = getattr(getattr(model, "model", model), "named_parameters", None)
     if named is None:
         return {}
     names = {id(p): n for n, p in named()}
     roles: Roles = {f"model/{n}": (n, "param") for n in names.values()}
+    if opt is not None and hasattr(opt, "optimizer") and hasattr(opt, "model"):
+        for n in names.values():  # ShardedOptimizer: get_optimizer_state_dict keys by FQN
+            roles[f"optimizer/state/{n}/exp_avg"] = (n, "exp_avg")
+            roles[f"optimizer/state/{n}/exp_avg_sq"] = (n, "exp_avg_sq")
+        return roles
     groups = getattr(opt, "param_groups", None)
     if groups is None:
         return roles

@@ -163,6 +163,45 @@ def sharded(runs: Path, seed: int
     return model, opt, manager
 
 
+def lossy_sharded(runs: Path) -> dict[str, Any]:
+    """The lossy tier across ranks: each rank codes its own DTensor shards; v2 and v3 are
+    lossy deltas on v1. Restores v2 into fresh weights and reports what it got."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, CheckpointManager]:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(64, 32)
+        for name, p in list(model.named_parameters()):
+            setattr(model, name,
+                    torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cfg = parse_config(
+            f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "lossy"\nckpting_save_iter = 1\n'
+            "[checkpointing.lossy]\nenabled = true\ndensity = 0.25\nbits = 4\n"
+            "min_numel = 64\nkeyframe_every = 4\nerror_rel = 0.05\n")
+        state = {"model": ShardedModel(model), "optimizer": ShardedOptimizer(model, opt)}
+        return model, opt, CheckpointManager(cfg, state, sharded_model=True)
+
+    model, opt, manager = build(seed=3)
+    saved = []
+    for v in (1, 2, 3):
+        sharded_step(model, opt)
+        manager.save_nowait(v).result()
+        saved.append(local_state(model, opt))
+    manager.close()
+    fresh, fopt, manager = build(seed=4)
+    seen: dict[str, Any] = {"saved_v2": saved[1], "step": manager.restore_sync("v000002"),
+                            "restored_v2": local_state(fresh, fopt)}
+    manager.close()
+    vdir = runs / "lossy" / "versions" / "v000002"
+    seen["manifest_v2"] = json.loads((vdir / "manifest.json").read_text())
+    return seen
+
+
 def sharded_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -203,6 +242,7 @@ def crash(runs: Path, total: int, out: Path, faults: bool) -> None:
         smanager.save_nowait(1).result()
         seen["sharded_saved"] = local_state(smodel, sopt)
         smanager.close()
+        seen["lossy"] = lossy_sharded(runs.parent / "lossy_runs")
     model, opt, batcher = make(rank)
     state = {"model": model, "optimizer": opt, "batcher": batcher}
     manager = CheckpointManager(config(runs, None, total), state,

@@ -183,3 +183,26 @@ def test_sharded_dtensor_state_restores_per_rank(two: Job) -> None:
         assert (vdir / f"opt_shard_rank{rank:04d}.bin").exists()
     assert not state_equal(two.ref[0]["sharded_saved"]["model"],
                            two.ref[1]["sharded_saved"]["model"])  # shards differ per rank
+
+
+@pytest.mark.slow
+def test_lossy_tier_across_ranks(two: Job) -> None:
+    """Each rank codes its own shards lossily; the manifest lists one lossy blob per rank."""
+    for rank in range(2):
+        seen = two.ref[rank]["lossy"]
+        assert seen["step"] == 2
+        man = seen["manifest_v2"]
+        assert man["has_quantization"] is True and man["resume"]["exact"] is False
+        assert [s["rank"] for s in man["lossy"]["shards"]] == [0, 1]
+        assert man["lossy"]["keyframe"] is False and man["lossy"]["index"] == 1
+        want, got = seen["saved_v2"]["model"], seen["restored_v2"]["model"]
+        w, w2 = want["weight"], got["weight"]
+        assert w.shape == w2.shape == (16, 64)
+        assert not torch.equal(w, w2)  # lossy: not the saved bits ...
+        assert (w2 - w).abs().max() <= 0.05 * w.abs().max()  # ... but within error_rel
+        assert torch.equal(want["bias"], got["bias"])  # 16 elements < min_numel: exact
+        st_w = seen["saved_v2"]["opt"]["state"]
+        st_g = seen["restored_v2"]["opt"]["state"]
+        assert all(torch.equal(st_w[k]["step"], st_g[k]["step"]) for k in st_w)
+    assert not torch.equal(two.ref[0]["lossy"]["saved_v2"]["model"]["weight"],
+                           two.ref[1]["lossy"]["saved_v2"]["model"]["weight"])

@@ -141,6 +141,31 @@ def test_disabled_lossy_is_the_lossless_path(make_config: ConfigFactory, tmp_pat
     assert state_equal(snaps[0]["opt"], opt.state_dict())
 
 
+def test_lossy_with_nothing_eligible_says_so_once(make_config: ConfigFactory, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A model without named_parameters() has no roles: saves stay lossless, with a warning."""
+
+    class Plain:
+        def __init__(self) -> None:
+            self.sd = {"w": torch.randn(64, 64)}
+
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            return self.sd
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.sd = dict(sd)
+
+    cfg = make_config(LOSSY)
+    plain = Plain()
+    with caplog.at_level("WARNING", logger="mithril_async"), \
+            CheckpointManager(cfg, {"model": plain}) as m:
+        for step in (1, 2):
+            m.save_nowait(step).result()
+    warned = [r for r in caplog.records if "no tensor of rank 0 qualifies" in r.getMessage()]
+    assert len(warned) == 1
+    assert "has_quantization" not in _manifest(tmp_path, "v000002")
+
+
 @pytest.mark.parametrize(("line", "key"), [
     ("density = 0", "checkpointing.lossy.density"),
     ("bits = 9", "checkpointing.lossy.bits"),
