@@ -7,7 +7,7 @@ codes within ~0.1 % of the order-0 entropy per 256 Ki-symbol block, estimates th
 from the histogram first (an incompressible plane costs one histogram pass).  Two layouts:
 format v1 (plane method RANS: eight 64-bit states, one stream each; scalar decoder) and format
 v2 (method RANS32: 32 interleaved 32-bit states sharing one 16-bit word stream, coded and
-decoded with AVX2 where the CPU has it: ~2x v1's speed each way, the scalar paths write and
+decoded with AVX2 where the CPU has it: ~1.6-1.7x v1's speed each way; the scalar paths write and
 read the same bytes).  New planes are written as v2; v1 stays readable.
 Its calls release the GIL (cffi API mode), so a thread pool scales.
 
