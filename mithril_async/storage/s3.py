@@ -81,6 +81,9 @@ MIB = 1 << 20
 DEFAULT_PART_SIZE = 8 * MIB
 MIN_PART_SIZE = 5 * MIB
 WATCHDOG_MIN_RATE = 256 * 1024  # bytes/s below which a request counts as hung
+#: parallel reads: ranges per connection (see ``S3Store._read_once``) and the largest range
+RANGES_PER_CONNECTION = 4
+MAX_RANGE = 128 * MIB
 ConditionalMode = Literal["auto", "native", "emulate"]
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
@@ -122,6 +125,13 @@ def is_missing(exc: BaseException) -> bool:
 def backoff(attempt: int, base: float = 0.05, cap: float = 5.0) -> float:
     """Full-jitter exponential backoff, as botocore's standard mode uses."""
     return random.uniform(0, min(cap, base * 2**attempt))
+
+
+def range_size(remaining: int, part: int, connections: int) -> int:
+    """Bytes per ranged GET for ``remaining`` bytes: about ``RANGES_PER_CONNECTION`` ranges
+    per connection, a whole number of parts (at least one), at most ``MAX_RANGE``."""
+    want = -(-remaining // (RANGES_PER_CONNECTION * max(1, connections)))
+    return max(part, min(MAX_RANGE, -(-want // part) * part))
 
 
 class S3Store:
@@ -347,6 +357,11 @@ class S3Store:
         The first part-sized range is fetched at once. When the read may span more than one
         range, a HEAD runs beside it: its size lets the remaining ranges start without
         waiting for the first one, and its ETag pins them (``IfMatch``) to one version.
+        The rest is cut into about ``RANGES_PER_CONNECTION`` ranges per connection (at least
+        a part, at most ``MAX_RANGE``): each request has a fixed cost (latency, a request fee;
+        on moto a copy of the whole object: 8 MiB ranges of a 1 GiB object read at ~8 MB/s,
+        32 MiB ranges 4x faster), while several ranges per connection keep one slow range from
+        holding up the others.
         """
         chunk = self.part_size
         first_len = chunk if length is None else min(chunk, length)
@@ -371,13 +386,14 @@ class S3Store:
             if start >= stop:
                 return b"", etag
             sem = asyncio.Semaphore(self.max_concurrency)
+            step = range_size(stop - start - first_len, chunk, self.max_concurrency)
 
             async def fetch(off: int) -> bytes:
                 async with sem:
-                    data, _ = await self._get_once(op, key, off, min(off + chunk, stop) - 1, etag)
+                    data, _ = await self._get_once(op, key, off, min(off + step, stop) - 1, etag)
                     return data
 
-            rest = [asyncio.ensure_future(fetch(o)) for o in range(start + first_len, stop, chunk)]
+            rest = [asyncio.ensure_future(fetch(o)) for o in range(start + first_len, stop, step)]
             tasks += rest
             data, first_etag = await first
             if first_etag != etag:

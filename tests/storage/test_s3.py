@@ -21,7 +21,7 @@ import pytest
 from mithril_async.config import RemoteConfig
 from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
 from mithril_async.storage import open_store
-from mithril_async.storage.s3 import S3Store, crc32_b64
+from mithril_async.storage.s3 import MAX_RANGE, MIB, S3Store, crc32_b64, range_size
 from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
 from tests.storage.conformance import StoreConformance
 
@@ -199,6 +199,31 @@ def test_parallel_ranged_reads(factory: S3Factory, proxy: FaultProxy) -> None:
             *(s.get_range("r", i * 1000, 5000) for i in range(20))
         )
         assert many == [data[i * 1000 : i * 1000 + 5000] for i in range(20)]
+
+    run(body, f)
+
+
+def test_range_size_bounds() -> None:
+    part = 8 * MIB
+    assert range_size(10 * MIB, part, 8) == part  # small reads: one part per range
+    assert range_size(1024 * MIB, part, 8) == 32 * MIB  # 1 GiB: 4 ranges per connection
+    assert range_size(1 << 40, part, 8) == MAX_RANGE  # capped
+    assert range_size(100 * MIB + 1, part, 1) == 32 * MIB  # rounded up to whole parts
+
+
+def test_big_reads_use_fewer_larger_ranges(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy, max_concurrency=2)
+    data = blob(40 * f.part_size + 5)
+    step = range_size(len(data) - f.part_size, f.part_size, 2)
+    assert step > f.part_size
+
+    async def body(s: S3Store) -> None:
+        await s.put("big", data)
+        proxy.clear()
+        assert await s.get("big") == data
+        gets = [r for r in proxy.log if r.method == "GET"]
+        assert len(gets) == 1 + -(-(len(data) - f.part_size) // step) < 41
+        assert proxy.max_in_flight >= 2
 
     run(body, f)
 
