@@ -7,7 +7,8 @@ plain and as a delta against the step before.  For deltas the baselines are naiv
 grouping + zstd-3 and zipnn's own delta mode.
 
 Numbers: compression ratio, compress/decompress MB/s (of raw bytes) single-threaded and with
-all cores, medians of ``--runs`` runs; every decode is checked bit-exact.  zipnn mutates its
+all cores, medians of ``--runs`` runs after one untimed warm-up call each (ours and theirs);
+every decode is checked bit-exact.  zipnn mutates its
 input in place, so it always gets a copy (the copy is not timed).
 
     python benchmarks/bench_codec.py [--runs 3] [--only minilm|trajectory]
@@ -57,7 +58,9 @@ def raw_of(sd: SD) -> bytes:
 
 
 def med_time(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
-    times, out = [], None
+    """Median wall time of ``runs`` calls after one untimed warm-up call (every system gets
+    one: first calls pay for lazy imports, thread-local buffers and page faults)."""
+    times, out = [], fn()
     for _ in range(runs):
         t = time.perf_counter()
         out = fn()
@@ -119,6 +122,7 @@ def bench_zipnn(name: str, raw: bytes, dtype: str, runs: int, nthreads: int,
         z = zipnn.ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=dtype,
                         threads=th, **kw)
         times, blob = [], b""
+        z.compress(bytearray(raw))  # warm-up, untimed (as med_time does for the others)
         for _ in range(runs):
             data = bytearray(raw)  # zipnn mutates its input: give it a copy (not timed)
             b2 = bytearray(base) if base is not None else None
@@ -126,6 +130,8 @@ def bench_zipnn(name: str, raw: bytes, dtype: str, runs: int, nthreads: int,
             blob = z.compress(data, delta_second_data=b2) if b2 is not None else z.compress(data)
             times.append(time.perf_counter() - t)
         dtimes, out = [], b""
+        z.decompress(bytes(blob), delta_second_data=bytearray(base)) if base is not None \
+            else z.decompress(bytes(blob))  # warm-up
         for _ in range(runs):
             b2 = bytearray(base) if base is not None else None
             t = time.perf_counter()

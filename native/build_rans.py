@@ -22,6 +22,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 CDEF = """
 void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
+double mr_sample_entropy(const uint8_t *src, size_t n, size_t max_sample);
 size_t mr_encode_bound(size_t n);
 int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);

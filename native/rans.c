@@ -106,6 +106,27 @@ void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist) {
     for (i = 0; i < 256; i++) hist[i] = h[0][i] + h[1][i] + h[2][i] + h[3][i];
 }
 
+/* Order-0 entropy (bits/byte) of every stride-th byte, stride = n / max_sample (1 when
+ * n <= max_sample): the same sample and formula as entropy.sample_entropy's numpy fallback,
+ * without its per-call overhead (the codec asks once per plane). */
+double mr_sample_entropy(const uint8_t *src, size_t n, size_t max_sample) {
+    uint32_t h[256];
+    size_t stride, m = 0, i;
+    double sum = 0.0;
+    if (n == 0) return 0.0;
+    if (n <= max_sample || max_sample == 0) {
+        mr_histogram(src, n, h);
+        m = n;
+    } else {
+        stride = n / max_sample;
+        memset(h, 0, sizeof(h));
+        for (i = 0; i < n; i += stride, m++) h[src[i]]++;
+    }
+    for (i = 0; i < 256; i++)
+        if (h[i]) sum += (double)h[i] * log2((double)h[i]);
+    return log2((double)m) - sum / (double)m;
+}
+
 /* Scale a histogram to frequencies summing to M, every used symbol >= 1. */
 static void normalize(const uint32_t *hist, size_t total, uint32_t *freq) {
     int i, used = 0, maxi = 0;
@@ -519,7 +540,7 @@ __attribute__((target("avx2"))) static void v2_encode_avx2(
             _mm_storeu_si128((__m128i *)(void *)(p - 16), _mm256_castsi256_si128(w));
             p -= 2 * (size_t)__builtin_popcount(bits);
             x[v] = _mm256_blendv_epi8(_mm256_srli_epi32(x[v], 16), x[v], keep);
-            /* q = floor(x / f): a float division lands within 1 of it (q < 2^20 after
+            /* q = floor(x / f): a float estimate lands within 1 of it (q < 2^20 after
              * renormalisation; x converted as two exact 16-bit halves, relative error
              * < 2^-22), then one exact correction step each way */
             xf = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x[v], 16)), two16),

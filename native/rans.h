@@ -5,6 +5,8 @@
 #include <stdint.h>
 
 void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
+/* order-0 entropy (bits/byte) of an evenly strided sample of at most ~max_sample bytes */
+double mr_sample_entropy(const uint8_t *src, size_t n, size_t max_sample);
 size_t mr_encode_bound(size_t n);
 /* >0: encoded size; 0: would not get under limit (store raw); <0: error. */
 int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);

@@ -84,6 +84,14 @@ def sample_entropy(plane: U8) -> float:
     Only a cheap hint (is this plane skewed enough that zstd might win?); the coders decide on
     exact sizes.
     """
+    native = rans.sample_entropy(plane, _SAMPLE) if plane.flags.c_contiguous else None
+    if native is not None:
+        return native
+    return sample_entropy_py(plane)
+
+
+def sample_entropy_py(plane: U8) -> float:
+    """numpy reference of :func:`sample_entropy` (and the path without the extension)."""
     n = plane.size
     sample = plane if n <= _SAMPLE else plane[:: n // _SAMPLE]
     m = sample.size

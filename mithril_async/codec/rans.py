@@ -25,7 +25,7 @@ import numpy as np
 
 from mithril_async.errors import InvalidFormat
 
-__all__ = ["NATIVE", "decode", "encode", "format_of", "set_level"]
+__all__ = ["NATIVE", "decode", "encode", "format_of", "sample_entropy", "set_level"]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
 SCALE = 12
@@ -58,6 +58,19 @@ def set_level(level: int) -> int:
     Returns the level in effect; for tests and benchmarks.  Without v2 support: 0.
     """
     return int(_lib.mr_set_level(level)) if NATIVE_V2 else 0
+
+
+def sample_entropy(plane: U8, max_sample: int) -> float | None:
+    """Native order-0 entropy of every ``len // max_sample``-th byte, or ``None`` without it.
+
+    Same sample and formula as :func:`mithril_async.codec.entropy.sample_entropy`.
+    """
+    if not (NATIVE and hasattr(_lib, "mr_sample_entropy")):
+        return None
+    if plane.size == 0:
+        return 0.0
+    return float(_lib.mr_sample_entropy(_ffi.from_buffer("uint8_t[]", plane), plane.size,
+                                        max_sample))
 
 
 def format_of(data: bytes | memoryview) -> int:
