@@ -17,6 +17,7 @@ input in place, so it always gets a copy (the copy is not timed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -122,7 +123,9 @@ def bench_zipnn(name: str, raw: bytes, dtype: str, runs: int, nthreads: int,
         z = zipnn.ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=dtype,
                         threads=th, **kw)
         times, blob = [], b""
-        z.compress(bytearray(raw))  # warm-up, untimed (as med_time does for the others)
+        # warm-up, untimed (as med_time does for the others)
+        z.compress(bytearray(raw), delta_second_data=bytearray(base)) if base is not None \
+            else z.compress(bytearray(raw))
         for _ in range(runs):
             data = bytearray(raw)  # zipnn mutates its input: give it a copy (not timed)
             b2 = bytearray(base) if base is not None else None
@@ -188,11 +191,46 @@ def trajectory(dtype: str) -> tuple[SD, SD]:
     return load_step(files[-1]), load_step(files[-2])
 
 
+def paired_single_thread(sd: SD, raw: bytes, dtype: str, runs: int) -> tuple[float, float]:
+    """Median over ``runs`` rounds of zipnn time / our time, single thread, one call of each
+    per round back to back (compress, then decompress), after a warm-up round.
+
+    The shared machine's speed drifts by tens of percent over seconds; timing the two systems
+    in alternation, call by call, keeps that drift out of the ratio (the table above times
+    five calls of one system, then five of the other).
+    """
+    import zipnn
+
+    z = zipnn.ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=dtype, threads=1)
+    comp, dec = [], []
+    for r in range(runs + 1):
+        data = bytearray(raw)  # zipnn mutates its input: a copy, not timed
+        t = time.perf_counter()
+        blob = compress_state_dict(sd, threads=1)
+        t_ours = time.perf_counter() - t
+        t = time.perf_counter()
+        zblob = z.compress(data)
+        t_zipnn = time.perf_counter() - t
+        t = time.perf_counter()
+        decompress_state_dict(blob, threads=1)
+        d_ours = time.perf_counter() - t
+        zb = bytes(zblob)
+        t = time.perf_counter()
+        z.decompress(zb)
+        d_zipnn = time.perf_counter() - t
+        if r:  # round 0 is the warm-up
+            comp.append(t_zipnn / t_ours)
+            dec.append(d_zipnn / d_ours)
+    return statistics.median(comp), statistics.median(dec)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", choices=["minilm", "trajectory"], default=None)
     ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--paired", type=int, default=9, metavar="ROUNDS",
+                    help="rounds of the alternating single-thread comparison (0: skip)")
     a = ap.parse_args(argv)
     n = a.threads
     rows: list[Row] = []
@@ -221,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             zn = bench_zipnn(name, raw, ZIPNN_DTYPE[dt], a.runs, n, base=praw)
             rows += [ours, naive_delta(name, cur, prev, a.runs, n)] + ([zn] if zn else [])
             pairs.append((ours, zn))
+    paired: list[tuple[str, float, float]] = []
+    if a.only in (None, "minilm") and a.paired:
+        with contextlib.suppress(ImportError):
+            for dt in ("float32", "bfloat16", "float16"):
+                sd = {k: v.to(getattr(torch, dt)) for k, v in base.items()}
+                paired.append((f"MiniLM {dt}",
+                               *paired_single_thread(sd, raw_of(sd), ZIPNN_DTYPE[dt],
+                                                     a.paired)))
     head = ["data", "method", "ratio", "comp MB/s 1T", "dec MB/s 1T", f"comp MB/s {n}T",
             f"dec MB/s {n}T"]
     print(f"kernels: {K.BACKEND}; huffman: {HUFF_BACKENDS}; median of {a.runs} runs\n")
@@ -235,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {ours.data:22s} ratio x{ours.ratio / zn.ratio:.3f}  comp x{zn.c1 / ours.c1:.2f}"
               f"  dec x{zn.d1 / ours.d1:.2f}  comp(all) x{zn.cn / ours.cn:.2f}"
               f"  dec(all) x{zn.dn / ours.dn:.2f}")
+    if paired:
+        print(f"\nsingle thread, calls alternating ours/zipnn, median of {a.paired} rounds "
+              "(speed ours / zipnn):")
+        for name, c, d in paired:
+            print(f"  {name:22s} comp x{c:.2f}  dec x{d:.2f}")
     return 0
 
 
