@@ -204,6 +204,21 @@ def ungroup(src: object, width: int, out: object | None = None) -> U8:
     return _ref.ungroup(s, w, o)
 
 
+def copy_stream(src: object, out: object) -> U8:
+    """``out[:] = src`` with non-temporal stores (the Stager's snapshot copy).
+
+    Writing the destination without reading it into the cache first makes big copies into
+    warm, reused staging buffers ~1.7x faster than ``memcpy`` here; the numpy path copies
+    normally.  ``out`` must not overlap ``src``.
+    """
+    s = _in(src, "src")
+    o = _out(out, s.size, (s,))
+    if _use_native:
+        _lib.mk_copy_stream(_p(s), _pw(o), s.size)
+        return o
+    return _ref.copy(s, o)
+
+
 def xor(a: object, b: object, out: object | None = None) -> U8:
     """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place)."""
     x, y = _in(a, "a"), _in(b, "b")
@@ -296,6 +311,7 @@ __all__ = [
     "MAX_WIDTH",
     "WIDTHS",
     "available_backends",
+    "copy_stream",
     "element_width",
     "exp_group",
     "exp_ungroup",

@@ -118,6 +118,11 @@ def ungroup(src: object, width: int, out: object | None = None) -> U8:
     return _finish(np.concatenate([body, s[n * w :]]), out)
 
 
+def copy(src: object, out: object | None = None) -> U8:
+    """The identity transform (oracle of the native streaming copy)."""
+    return _finish(_u8(src).copy(), out)
+
+
 def xor(a: object, b: object, out: object | None = None) -> U8:
     """Bytewise XOR of two equally long buffers."""
     x = _u8(a)
@@ -182,6 +187,7 @@ __all__ = [
     "KIND_PLANES",
     "KIND_WIDTHS",
     "MAX_WIDTH",
+    "copy",
     "WIDTHS",
     "element_width",
     "exp_group",

@@ -1,7 +1,9 @@
 """The Stager: the only part of a save that blocks training.
 
 It copies every tensor of the state into host buffers that are allocated once and reused
-across saves (same names, dtypes and shapes → same buffers). CPU tensors are copied with
+across saves (same names, dtypes and shapes → same buffers). CPU tensors of 1 MiB and more are
+copied by the native streaming copy (non-temporal stores: the reused buffer is not read into
+the cache before being overwritten, ~1.7x ``memcpy``'s speed for big states), smaller ones with
 ``copy_``; CUDA tensors go into pinned buffers with ``non_blocking`` copies on a side stream,
 and the snapshot is consistent once that stream's event has completed — ``save()`` awaits the
 event, never a device-wide synchronize, so other streams keep running.
@@ -15,6 +17,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from mithril_async.codec import kernels as K
+
+#: CPU tensors at least this big are staged with the native streaming copy.
+STREAM_COPY_MIN_BYTES = 1 << 20
+
+
+def _stream_copyable(buf: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``src``'s bytes are exactly its values, laid out as ``buf``'s (a plain byte copy
+    is then the same as ``buf.copy_(src)``)."""
+    return (K.native_available() and type(src) in (torch.Tensor, torch.nn.Parameter)
+            and src.device.type == "cpu" and not src.is_quantized
+            and src.layout == torch.strided and src.dtype == buf.dtype
+            and src.shape == buf.shape and src.is_contiguous() and buf.is_contiguous()
+            and not src.is_conj() and not src.is_neg()
+            and src.numel() * src.element_size() >= STREAM_COPY_MIN_BYTES)
+
+
+def copy_into(buf: torch.Tensor, src: torch.Tensor) -> None:
+    """``buf.copy_(src)`` for a CPU ``src``; big plain tensors go through the native
+    streaming copy (same bytes, fewer memory round trips)."""
+    if _stream_copyable(buf, src):
+        try:
+            s = src.detach().reshape(-1).view(torch.uint8).numpy()
+            d = buf.reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError):  # a dtype torch will not view as bytes
+            pass
+        else:
+            K.copy_stream(s, d)
+            return
+    buf.copy_(src)
 
 
 @dataclass
@@ -87,7 +120,7 @@ class StagingArea:
             if src.device.type == "cuda":
                 cuda_items.append((buf, src))
             else:
-                buf.copy_(src)
+                copy_into(buf, src)
             out[name] = buf
         event = self._copy_from_cuda(cuda_items) if cuda_items else None
         nbytes = sum(b.numel() * b.element_size() for b in out.values())

@@ -300,3 +300,33 @@ def test_env_var_forces_level(monkeypatch: pytest.MonkeyPatch, level: str) -> No
         K.set_backend(None)  # the level lives in the shared C library
     restored: str = K.BACKEND
     assert restored == f"native-{NATIVE_LEVELS[-1]}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.one_of(LENGTHS, st.integers(4000, 70_000)))
+def test_streaming_copy_matches_oracle_on_every_level(data: st.DataObject, n: int) -> None:
+    """Every alignment of the destination (the head up to the vector boundary is a plain copy,
+    the body non-temporal stores, the tail a plain copy again)."""
+    (src,) = _buffers(data, n, 1)
+    off = data.draw(st.integers(0, 63))
+    big = np.full(n + off + 64, 0xA5, np.uint8)
+    for level in ALL_LEVELS:
+        big[:] = 0xA5
+        with backend(level):
+            out = K.copy_stream(src, big[off:off + n])
+        np.testing.assert_array_equal(out, R.copy(src))
+        assert (big[:off] == 0xA5).all() and (big[off + n:] == 0xA5).all()  # no spill
+
+
+def test_streaming_copy_of_a_large_buffer_and_bad_arguments() -> None:
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, (8 << 20) + 77, dtype=np.uint8)
+    out = np.zeros(src.size + 1, np.uint8)
+    for level in ALL_LEVELS:
+        with backend(level):
+            K.copy_stream(src, out[1:])
+        np.testing.assert_array_equal(out[1:], src)
+    with pytest.raises(ValueError, match="expected exactly"):
+        K.copy_stream(src, out)
+    with pytest.raises(ValueError, match="overlap"):
+        K.copy_stream(src, src)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+import pytest
 import torch
 
 from mithril_async.pipeline.stager import Snapshot, StagingArea
@@ -61,3 +63,42 @@ def test_snapshot_waits_for_device_event() -> None:
     Snapshot({}, event=ev2).wait_blocking()
     assert ev2.synchronized
     assert Snapshot({}).ready()  # CPU snapshots are complete immediately
+
+
+def test_big_tensors_take_the_streaming_copy_and_come_out_identical(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of >= 1 MiB go through the native non-temporal copy: byte-identical snapshots
+    for every dtype family, parameters that require grad included; views that are not plain
+    bytes (non-contiguous, conjugated) keep ``copy_``."""
+    from mithril_async.codec import kernels as K
+    from mithril_async.pipeline import stager
+
+    calls: list[int] = []
+    real = K.copy_stream
+
+    def spy(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+        calls.append(src.size)
+        return real(src, out)
+
+    monkeypatch.setattr(K, "copy_stream", spy)
+    g = torch.Generator().manual_seed(0)
+    n = (stager.STREAM_COPY_MIN_BYTES // 2) + 7  # 2-byte dtypes: just over the threshold
+    src = {
+        "bf16": torch.randn(n, generator=g).to(torch.bfloat16),
+        "f32": torch.nn.Parameter(torch.randn(n, generator=g)),  # requires grad
+        "i64": torch.randint(0, 1 << 40, (n,), generator=g),
+        "bool": torch.rand(2 * n, generator=g) > 0.5,
+        "strided": torch.randn(n, 4, generator=g).t(),  # not contiguous
+        "conj": torch.randn(n, dtype=torch.complex64, generator=g).conj(),
+        "small": torch.randn(100, generator=g),
+    }
+    area = StagingArea(pin_memory=False)
+    for _ in range(2):  # fresh buffers, then reused ones
+        calls.clear()
+        snap = area.snapshot(src)
+        for k, v in src.items():
+            assert torch.equal(snap.tensors[k], v.detach()), k
+        want = [2 * n, 2 * n, 4 * n, 8 * n] if K.native_available() else []
+        assert sorted(calls) == want, calls
+    if K.native_available():
+        assert stager._stream_copyable(snap.tensors["f32"], src["f32"])
