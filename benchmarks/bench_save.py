@@ -7,7 +7,10 @@ disk after one warm-up save; medians are reported, with ratios ours / theirs.
 * stall: how long the call blocks the training loop.
 * e2e: from the call until the checkpoint is durable (ours: manifest + aliases committed).
 * peak extra: max RSS during the timed saves minus RSS before the system's first save
-  (so our persistent staging buffers count against us).
+  (so our persistent staging buffers count against us). Every system saves a tiny state once
+  before anything is measured (imports and threads are charged to nobody), and freed heap
+  memory is returned to the OS (``malloc_trim``) before each system's baseline, so no system
+  runs in memory another one freed.
 
     python benchmarks/bench_save.py [--gib 1.0] [--saves 5]
 """
@@ -15,6 +18,8 @@ disk after one warm-up save; medians are reported, with ratios ours / theirs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import statistics
 import sys
@@ -65,8 +70,31 @@ def minilm_bf16() -> dict[str, torch.Tensor]:
 Timed = tuple[float, float]  # stall, e2e
 
 
-def run_system(saves: int, one: Callable[[int], Timed]) -> dict[str, float]:
+def _trim() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc ``malloc_trim``).
+
+    RSS is measured in one process for every system; without this, a system measured after
+    another reuses the memory the first one freed and its allocations never show in RSS.
+    """
     gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def warm_up_everything(root: Path) -> None:
+    """One save of a tiny state by every system before anything is measured, so lazy imports,
+    event-loop and worker threads are not charged to whichever system happens to run first."""
+    tiny = {"w": torch.zeros(1024)}
+    for sub in ("wd", "wt"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for one in (ours(tiny, root / "wa", True), ours(tiny, root / "wb", False),
+                dcp_async(tiny, root / "wd"), torch_save(tiny, root / "wt")):
+        one(0)
+    _trim()
+
+
+def run_system(saves: int, one: Callable[[int], Timed]) -> dict[str, float]:
+    _trim()
     stalls, e2es = [], []
     with PeakRSS() as rss:  # the baseline precedes the warm-up: staging buffers count
         one(0)  # warm-up: allocations, imports, page cache (not timed)
@@ -140,6 +168,8 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory(prefix="bench-save-warm-") as tmp:
+        warm_up_everything(Path(tmp))
     lines = bench_state("fp32 weight-like state", fp32_state(args.gib), args.saves)
     lines += bench_state("all-MiniLM-L6-v2 bf16", minilm_bf16(), args.saves)
     print("\n".join(lines))
