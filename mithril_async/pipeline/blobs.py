@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,8 @@ from mithril_async.storage.base import BlobWriter, Store
 SKELETON_KEY = "mithril.skeleton"
 ITEM_KEY = "mithril.item"
 REFS_KEY = "mithril.refs"
+#: smallest chunk size ``auto_chunk`` picks for a small blob
+MIN_AUTO_CHUNK = 1 << 20
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
 
@@ -112,6 +114,20 @@ class BlobCodec:
         self.params = CodecParams(level=comp.level, byte_grouping=comp.byte_grouping,
                                   chunk_bytes=max(1, int(comp.chunk_mib * (1 << 20))))
 
+    def params_for(self, nbytes: int) -> CodecParams:
+        """The codec parameters for a blob of ``nbytes`` raw bytes.
+
+        With ``auto_chunk`` a blob smaller than 32 configured chunks gets chunks of 1/32 of its
+        size (at least :data:`MIN_AUTO_CHUNK`): the codec's working set (per-thread scratch,
+        encoded chunks in flight) follows the chunk size, and a small state should not pay
+        4 MiB per thread.  The blob header records the chunk size it was written with.
+        """
+        cb = self.params.chunk_bytes
+        if not self.comp.auto_chunk or nbytes >= 32 * cb:
+            return self.params
+        small = max(MIN_AUTO_CHUNK, nbytes // 32)
+        return self.params if small >= cb else replace(self.params, chunk_bytes=small)
+
     @property
     def model_ext(self) -> str:
         return "mckp" if self.comp.enabled else "safetensors"
@@ -171,6 +187,7 @@ class BlobCodec:
         bases: list[U8 | None] = []
         entries: list[TensorEntry] = []
         jobs: list[tuple[int, int, int, int]] = []
+        params = self.params_for(item.nbytes)
         for name, t in item.tensors.items():
             if name in plan.refs:
                 continue
@@ -178,17 +195,17 @@ class BlobCodec:
             view, dtype_name, shape = tensor_bytes(t, where=name)
             base = plan.base_views.get(name)
             base_hash = None if base is None else xxhash.xxh64_intdigest(base.data)
-            entry = TensorEntry.make(name, dtype_name, shape, self.params.chunk_bytes, base_hash)
+            entry = TensorEntry.make(name, dtype_name, shape, params.chunk_bytes, base_hash)
             views.append(view)
             bases.append(base)
             entries.append(entry)
             jobs.extend((ti, ci, off, n) for ci, (off, n) in enumerate(entry.chunks))
-        mckp = MckpWriter(entries, params=self.params, training_step=step,
+        mckp = MckpWriter(entries, params=params, training_step=step,
                           previous_checkpoint_hash=plan.base.xxh64 if plan.base_views and
                           plan.base else None, metadata=self._metadata(item, plan))
         await writer.write(mckp.begin())
-        await self._run_chunks(jobs, views, bases, entries, lambda ti, ci, enc: writer.write(
-            mckp.add(ti, ci, enc)))
+        await self._run_chunks(jobs, views, bases, entries, params,
+                               lambda ti, ci, enc: writer.write(mckp.add(ti, ci, enc)))
         await writer.write(mckp.finish())
         return f"{mckp.xxh64:016x}"
 
@@ -198,6 +215,7 @@ class BlobCodec:
         views: list[U8],
         bases: list[U8 | None],
         entries: list[TensorEntry],
+        params: CodecParams,
         sink: Callable[[int, int, EncodedChunk], Awaitable[None]],
     ) -> None:
         """Encode chunks on the pool, at most ``max_inflight_mib`` of them in flight."""
@@ -214,7 +232,7 @@ class BlobCodec:
             base = bases[ti]
             return ti, ci, n, encode_chunk(src, entries[ti].dtype,
                                            None if base is None else base[off:off + n],
-                                           self.params)
+                                           params)
 
         async def drain_one() -> None:
             fut = await finished.get()
