@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import zstandard
@@ -33,20 +32,8 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_trajectory import load_step, make_trajectory
 
-from mithril_async import CheckpointManager, parse_config
+from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.codec import kernels, tensor_bytes
-
-
-class Holder:
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
-        self.sd = sd
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in sd.items():
-            self.sd[k].copy_(v)
 
 
 def naive_bytes(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> int:
@@ -70,7 +57,7 @@ def run_manager(steps: list[dict[str, torch.Tensor]], root: Path, delta: bool, k
                 base: str = "previous") -> tuple[list[tuple[int, int]], float | None]:
     """Save every step; return [(model bytes, optimizer bytes)] and restore(last)/restore(kf)."""
     w0, o0 = split(steps[0])
-    w, o = Holder({n: t.clone() for n, t in w0.items()}), Holder(
+    w, o = TensorDict({n: t.clone() for n, t in w0.items()}), TensorDict(
         {n: t.clone() for n, t in o0.items()})
     cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "d"\n'
                        f"[checkpointing.compression]\ndelta = {str(delta).lower()}\n"
@@ -80,9 +67,9 @@ def run_manager(steps: list[dict[str, torch.Tensor]], root: Path, delta: bool, k
         for i, sd in enumerate(steps, 1):
             ws, os_ = split(sd)
             for n, t in ws.items():
-                w.sd[n].copy_(t)
+                w.tensors[n].copy_(t)
             for n, t in os_.items():
-                o.sd[n].copy_(t)
+                o.tensors[n].copy_(t)
             res = m.save_nowait(i).result()
             assert res.status == "committed"
         for i in range(1, len(steps) + 1):

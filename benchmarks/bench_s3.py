@@ -38,7 +38,7 @@ import safetensors.torch
 import torch
 from boto3.s3.transfer import TransferConfig
 
-from mithril_async import CheckpointManager, parse_config
+from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.storage.s3 import S3Store
 
 MIB = 1 << 20
@@ -138,17 +138,6 @@ async def bench(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int)
     print(f"ratio ours/aioboto3: upload {up:.2f}x, download {down:.2f}x")
 
 
-class Holder:
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
-        self.sd = sd
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in sd.items():
-            self.sd[k].copy_(v)
-
 
 def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int) -> None:
     """Whole checkpoints through the manager vs aioboto3 transfers of the same bytes."""
@@ -165,7 +154,7 @@ def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: i
             f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
             f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
             f"[checkpointing.compression]\nenabled = {str(comp).lower()}\n")
-        with CheckpointManager(cfg, {"model": Holder(state)}) as m:
+        with CheckpointManager(cfg, {"model": TensorDict(state)}) as m:
             for i in range(repeats):
                 t0 = time.perf_counter()
                 m.save_nowait(i + 1).result()

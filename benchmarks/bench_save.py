@@ -27,7 +27,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,21 +34,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rss import PeakRSS
 
-from mithril_async import CheckpointManager, parse_config
-
-
-class Holder:
-    """A Stateful wrapper around a plain dict of tensors."""
-
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
-        self.sd = sd
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in sd.items():
-            self.sd[k].copy_(v)
+from mithril_async import CheckpointManager, TensorDict, parse_config
 
 
 def fp32_state(gib: float) -> dict[str, torch.Tensor]:
@@ -109,7 +94,7 @@ def run_system(saves: int, one: Callable[[int], Timed]) -> dict[str, float]:
 def ours(sd: dict[str, torch.Tensor], root: Path, compress: bool) -> Callable[[int], Timed]:
     cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "bench"\n'
                        f"[checkpointing.compression]\nenabled = {str(compress).lower()}\n")
-    manager = CheckpointManager(cfg, {"model": Holder(sd)})
+    manager = CheckpointManager(cfg, {"model": TensorDict(sd)})
 
     def one(i: int) -> Timed:
         t0 = time.perf_counter()

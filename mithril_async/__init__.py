@@ -32,6 +32,7 @@ from mithril_async.errors import (
 from mithril_async.manager import CheckpointManager
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN
+from mithril_async.state import TensorDict
 
 __version__ = "0.1.0"
 
@@ -60,6 +61,7 @@ __all__ = [
     "ShapeMismatch",
     "StepAlreadyExists",
     "StorageError",
+    "TensorDict",
     "UnknownFormatVersion",
     "UnsafeKey",
     "UnsupportedDtype",

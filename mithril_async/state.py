@@ -28,6 +28,25 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class TensorDict:
+    """A plain ``{name: tensor}`` dict as a :class:`Stateful`.
+
+    Saved as is; restored in place (``copy_`` into the same tensors), so code holding those
+    tensors sees the restored values.  For weights, buffers or statistics that live outside a
+    module.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, value in state_dict.items():
+            self.tensors[name].copy_(value)
+
+
 @runtime_checkable
 class JsonStateful(Protocol):
     """A data loader / batcher whose position is small JSON (seed 002 ``get_state``).

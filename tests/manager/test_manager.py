@@ -23,6 +23,7 @@ from mithril_async import (
     SaveFailed,
     SaveInProgress,
     StepAlreadyExists,
+    TensorDict,
     VersionNotFound,
 )
 from mithril_async.storage.memory import MemoryStore
@@ -336,19 +337,6 @@ def test_resume_optimizer_false_leaves_optimizer_alone(make_config: ConfigFactor
     assert state_equal(opt_after, opt.state_dict())  # optimizer state was not loaded
 
 
-class _Weights:
-    """A Stateful holding plain tensors (one big one: the chunk size shows in its spans)."""
-
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
-        self.sd = sd
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for k, v in sd.items():
-            self.sd[k].copy_(v)
-
 
 @pytest.mark.parametrize(("auto", "mib", "want_chunk"), [
     (True, 16, 1 << 20),           # 16 MiB state: 1/32 is 512 KiB -> the 1 MiB floor
@@ -365,7 +353,7 @@ def test_small_states_get_smaller_chunks_and_restore_exactly(
     g = torch.Generator().manual_seed(mib)
     sd = {"w": torch.randn(mib << 18, generator=g), "b": torch.randn(7, generator=g)}
     saved = {k: v.clone() for k, v in sd.items()}
-    with CheckpointManager(cfg, {"model": _Weights(sd)}) as m:
+    with CheckpointManager(cfg, {"model": TensorDict(sd)}) as m:
         m.save_nowait(1).result()
     blob = (tmp_path / "runs" / "run1" / "versions" / "v000001" / "model.mckp").read_bytes()
     info = read_info(blob)
@@ -374,7 +362,7 @@ def test_small_states_get_smaller_chunks_and_restore_exactly(
     assert {n for _, n in w.chunks} == {want_chunk}  # 4 bytes divide every size here
     for v in sd.values():
         v.zero_()
-    m2 = CheckpointManager(cfg, {"model": _Weights(sd)})
+    m2 = CheckpointManager(cfg, {"model": TensorDict(sd)})
     assert m2.restore_sync("latest") == 1
     m2.close()
     assert all(torch.equal(sd[k], saved[k]) for k in sd)
