@@ -17,7 +17,6 @@ input in place, so it always gets a copy (the copy is not timed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -123,24 +122,21 @@ def bench_zipnn(name: str, raw: bytes, dtype: str, runs: int, nthreads: int,
         z = zipnn.ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=dtype,
                         threads=th, **kw)
         times, blob = [], b""
-        # warm-up, untimed (as med_time does for the others)
-        z.compress(bytearray(raw), delta_second_data=bytearray(base)) if base is not None \
-            else z.compress(bytearray(raw))
-        for _ in range(runs):
+        for r in range(runs + 1):  # round 0: untimed warm-up, as med_time does for the others
             data = bytearray(raw)  # zipnn mutates its input: give it a copy (not timed)
             b2 = bytearray(base) if base is not None else None
             t = time.perf_counter()
             blob = z.compress(data, delta_second_data=b2) if b2 is not None else z.compress(data)
-            times.append(time.perf_counter() - t)
+            if r:
+                times.append(time.perf_counter() - t)
         dtimes, out = [], b""
-        z.decompress(bytes(blob), delta_second_data=bytearray(base)) if base is not None \
-            else z.decompress(bytes(blob))  # warm-up
-        for _ in range(runs):
+        for r in range(runs + 1):
             b2 = bytearray(base) if base is not None else None
             t = time.perf_counter()
             out = (z.decompress(bytes(blob), delta_second_data=b2) if b2 is not None
                    else z.decompress(bytes(blob)))
-            dtimes.append(time.perf_counter() - t)
+            if r:
+                dtimes.append(time.perf_counter() - t)
         assert bytes(out) == raw
         res.append((statistics.median(times), statistics.median(dtimes), len(blob)))
     return Row(name, "zipnn 0.5.4" + (" delta" if base is not None else ""), len(raw),
@@ -235,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     n = a.threads
     rows: list[Row] = []
     pairs: list[tuple[Row, Row | None]] = []
+    paired: list[tuple[str, float, float]] = []  # alternating single-thread ratios
     if a.only in (None, "minilm"):
         base = minilm()
         for dt in ("float32", "bfloat16", "float16"):
@@ -245,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             zn = bench_zipnn(name, raw, ZIPNN_DTYPE[dt], a.runs, n)
             rows += [ours, bench_zstd(name, raw, a.runs, n)] + ([zn] if zn else [])
             pairs.append((ours, zn))
+            if zn is not None and a.paired:
+                paired.append((name, *paired_single_thread(sd, raw, ZIPNN_DTYPE[dt], a.paired)))
     if a.only in (None, "trajectory"):
         for dt in ("float32", "bfloat16"):
             cur, prev = trajectory(dt)
@@ -259,14 +258,6 @@ def main(argv: list[str] | None = None) -> int:
             zn = bench_zipnn(name, raw, ZIPNN_DTYPE[dt], a.runs, n, base=praw)
             rows += [ours, naive_delta(name, cur, prev, a.runs, n)] + ([zn] if zn else [])
             pairs.append((ours, zn))
-    paired: list[tuple[str, float, float]] = []
-    if a.only in (None, "minilm") and a.paired:
-        with contextlib.suppress(ImportError):
-            for dt in ("float32", "bfloat16", "float16"):
-                sd = {k: v.to(getattr(torch, dt)) for k, v in base.items()}
-                paired.append((f"MiniLM {dt}",
-                               *paired_single_thread(sd, raw_of(sd), ZIPNN_DTYPE[dt],
-                                                     a.paired)))
     head = ["data", "method", "ratio", "comp MB/s 1T", "dec MB/s 1T", f"comp MB/s {n}T",
             f"dec MB/s {n}T"]
     print(f"kernels: {K.BACKEND}; huffman: {HUFF_BACKENDS}; median of {a.runs} runs\n")
