@@ -50,6 +50,8 @@ except ImportError:  # pragma: no cover - extension not built
 #: Whether the native coder writes (and natively reads) format v2; an extension built before
 #: v2 existed only has v1.
 NATIVE_V2 = NATIVE and hasattr(_lib, "mr2_encode")
+#: Whether the loaded extension has the sampled-entropy helper (older builds lack it).
+_NATIVE_SAMPLE = NATIVE and hasattr(_lib, "mr_sample_entropy")
 
 
 def set_level(level: int) -> int:
@@ -65,7 +67,7 @@ def sample_entropy(plane: U8, max_sample: int) -> float | None:
 
     Same sample and formula as :func:`mithril_async.codec.entropy.sample_entropy`.
     """
-    if not (NATIVE and hasattr(_lib, "mr_sample_entropy")):
+    if not _NATIVE_SAMPLE:
         return None
     if plane.size == 0:
         return 0.0
