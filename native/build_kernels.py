@@ -21,6 +21,8 @@ int mk_get_level(void);
 int mk_set_level(int level);
 void mk_xor(const uint8_t *a, const uint8_t *b, uint8_t *dst, size_t len);
 void mk_copy_stream(const uint8_t *src, uint8_t *dst, size_t len);
+void mk_copy_batch(const uintptr_t *src, const uintptr_t *dst, const size_t *len, size_t n,
+                   size_t stream_min);
 int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);

@@ -311,6 +311,20 @@ void mk_copy_stream(const uint8_t *src, uint8_t *dst, size_t len) {
     if (len > done) memcpy(dst + done, src + done, len - done);
 }
 
+/* The Stager's whole snapshot in one call: dst[i] = src[i] for n (pointer, length) jobs, the
+ * ones of >= stream_min bytes with mk_copy_stream, the rest with memcpy (small destinations fit
+ * the cache).  One call instead of one per tensor: the per-call Python cost (views, checks,
+ * dispatch: ~10-40 us a tensor) was half the stall of a 104-tensor, 42 MB state. */
+void mk_copy_batch(const uintptr_t *src, const uintptr_t *dst, const size_t *len, size_t n,
+                   size_t stream_min) {
+    for (size_t i = 0; i < n; i++) {
+        if (len[i] >= stream_min)
+            mk_copy_stream((const uint8_t *)src[i], (uint8_t *)dst[i], len[i]);
+        else if (len[i])
+            memcpy((void *)dst[i], (const void *)src[i], len[i]);
+    }
+}
+
 void mk_xor(const uint8_t *a, const uint8_t *b, uint8_t *dst, size_t len) {
     size_t done = 0;
 #if MK_HAVE_X86

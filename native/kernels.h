@@ -43,6 +43,9 @@ int mk_set_level(int level);
 void mk_xor(const uint8_t *a, const uint8_t *b, uint8_t *dst, size_t len);
 /* dst = src (no overlap) with non-temporal stores where the CPU has them */
 void mk_copy_stream(const uint8_t *src, uint8_t *dst, size_t len);
+/* n copies dst[i] = src[i] (len[i] bytes each, no overlaps); >= stream_min: streaming */
+void mk_copy_batch(const uintptr_t *src, const uintptr_t *dst, const size_t *len, size_t n,
+                   size_t stream_min);
 int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);

@@ -219,6 +219,36 @@ def copy_stream(src: object, out: object) -> U8:
     return _ref.copy(s, o)
 
 
+def copy_batch(jobs: list[tuple[int, int, int]], stream_min: int = 1 << 20) -> None:
+    """Copy ``nbytes`` from ``src`` to ``dst`` for every ``(src, dst, nbytes)`` address triple,
+    in one native call (the GIL released once for the whole list).
+
+    The Stager's snapshot: one call instead of one :func:`copy_stream`/``copy_`` per tensor
+    (their per-call cost dominated the stall of states with many small tensors).  Copies of
+    ``stream_min`` bytes or more use non-temporal stores, smaller ones ``memcpy``.  The
+    addresses are raw: the caller keeps both buffers alive and guarantees each job's ranges are
+    valid and do not overlap (the Stager copies tensors into its own buffers).
+    """
+    n = len(jobs)
+    if not n:
+        return
+    for i, job in enumerate(jobs):
+        if len(job) != 3 or min(job) < 0:
+            raise ValueError(f"copy_batch: job {i} is not a (src, dst, nbytes) triple of "
+                             f"non-negative ints: {job!r}")
+    arr = np.array(jobs, dtype=np.uint64).reshape(n, 3)
+    if _use_native:
+        src, dst, ln = (np.ascontiguousarray(arr[:, k]) for k in range(3))
+        _lib.mk_copy_batch(_ffi.cast("uintptr_t *", src.ctypes.data),
+                           _ffi.cast("uintptr_t *", dst.ctypes.data),
+                           _ffi.cast("size_t *", ln.ctypes.data), n, stream_min)
+        return
+    import ctypes
+
+    for s_addr, d_addr, nb in jobs:
+        ctypes.memmove(d_addr, s_addr, nb)
+
+
 def xor(a: object, b: object, out: object | None = None) -> U8:
     """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place)."""
     x, y = _in(a, "a"), _in(b, "b")
@@ -311,6 +341,7 @@ __all__ = [
     "MAX_WIDTH",
     "WIDTHS",
     "available_backends",
+    "copy_batch",
     "copy_stream",
     "element_width",
     "exp_group",
