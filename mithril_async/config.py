@@ -47,6 +47,17 @@ class CompressionConfig(_Strict):
     delta_base: Literal["previous", "keyframe"] = "previous"
     #: store tensors unchanged since the previous version once (None: on when delta is on)
     dedup: bool | None = None
+    #: in a delta version, a tensor is XORed against its base only if that is estimated to
+    #: save this fraction of its full encoding, else stored in full (a delta that does not pay
+    #: still makes a restore decode its base). None: 0.0 for delta_base = "previous" (smallest
+    #: bytes), 0.1 for "keyframe" (AdamW moments then go in full: restores read ~1.3 blobs)
+    delta_min_gain: float | None = Field(None, ge=0.0, lt=1.0)
+
+    @property
+    def effective_delta_min_gain(self) -> float:
+        if self.delta_min_gain is not None:
+            return self.delta_min_gain
+        return 0.1 if self.delta_base == "keyframe" else 0.0
 
 
 class PipelineConfig(_Strict):

@@ -59,6 +59,7 @@ from mithril_async.manifest import (
     version_id,
     version_number,
 )
+from mithril_async.pipeline.bases import BaseLoader
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
@@ -169,7 +170,8 @@ class CheckpointManager:
         self.chain_policy = ChainPolicy(
             delta=comp.delta and comp.enabled,
             dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
-            keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base)
+            keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
+            min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping)
         self._chains: dict[str, ItemChain] = {}
         #: the opt-in lossy tier ([checkpointing.lossy]); None keeps the lossless path as is
         self._lossy = LossyTrack(self.cfg.lossy) if self.cfg.lossy.enabled else None
@@ -734,7 +736,7 @@ class CheckpointManager:
         for name, shards in m.extra.items():
             if load != "model" or name == "model":
                 refs[name] = self._rank_ref(m, name, shards)
-        load_blob = self._blob_loader(m)
+        load_blob = BaseLoader(self.catalog, self._codec, m.version_id)
         trees: dict[str, Any] = {}
         lossy = await self._read_lossy(m)
         if load == "model":  # per-rank RNG/data state is not restored for a model-only load
@@ -792,34 +794,6 @@ class CheckpointManager:
             f"{m.version_id} was saved by {m.world_size} rank(s) but this job has "
             f"{self.world_size} (rank {self.rank}); resharding is not supported. Possible: "
             f"{possible}")
-
-    def _blob_loader(self, m: VersionManifest) -> Callable[[BaseRef], Any]:
-        """Resolve delta bases and referenced tensors, verifying every link of the chain."""
-        cache: dict[str, dict[str, Any]] = {}
-
-        async def load(base: BaseRef) -> dict[str, Any]:
-            if base.key in cache:
-                return cache[base.key]
-            try:
-                holder = await self.catalog.read_manifest(
-                    self.layout.manifest_key(version_number(base.version_id)))
-            except KeyNotFound:
-                raise MissingPrevious(f"{m.version_id} needs {base.key} from version "
-                                      f"{base.version_id}, which is gone") from None
-            ref = next((b for b in holder.blobs() if b.key == base.key), None)
-            if ref is None or ref.xxh64 != base.xxh64:
-                raise MissingPrevious(f"{m.version_id} needs {base.key} (xxh64 {base.xxh64}) "
-                                      f"but version {base.version_id} holds "
-                                      f"{'no such blob' if ref is None else ref.xxh64}")
-            try:
-                _, tensors = await self._codec.read(self.store, ref, load)
-            except KeyNotFound:
-                raise MissingPrevious(f"{m.version_id} needs {base.key} from version "
-                                      f"{base.version_id}, whose blob is gone") from None
-            cache[base.key] = tensors
-            return tensors
-
-        return load
 
     def _rank_ref(self, m: VersionManifest, what: str, refs: Sequence[R]) -> R:
         """This rank's entry of a per-rank list, or a clear error about the world size."""

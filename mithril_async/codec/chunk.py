@@ -33,6 +33,7 @@ __all__ = [
     "ChunkMeta",
     "EncodedChunk",
     "Transform",
+    "choose_transform",
     "chunk_spans",
     "decode_chunk",
     "encode_chunk",
@@ -174,7 +175,10 @@ def plane_sizes(transform: int, width: int, raw_size: int) -> list[int]:
     return sizes
 
 
-def _choose(dtype_name: str, size: int, params: CodecParams) -> tuple[Transform, int, str]:
+def choose_transform(dtype_name: str, size: int, params: CodecParams
+                     ) -> tuple[Transform, int, str]:
+    """The byte transform, its width and the plane coding mode (``"float"``/``"zstd"``) that
+    :func:`encode_chunk` uses for ``size`` bytes of ``dtype_name``."""
     info = dtype_info(dtype_name)
     mode = "zstd" if params.entropy == "zstd" or info.kind not in ("float", "complex") else "float"
     if params.byte_grouping and params.exponent_planes and info.exp_kind and size >= 16:
@@ -207,7 +211,7 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
     if base is not None and base.size != raw_size:
         raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
     raw_xxh = xxhash.xxh64_intdigest(src.data)
-    transform, width, mode = _choose(dtype_name, raw_size, params)
+    transform, width, mode = choose_transform(dtype_name, raw_size, params)
     buf: U8
     scratch = _scratch("enc", raw_size)
     if transform == Transform.NONE:

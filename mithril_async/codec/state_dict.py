@@ -13,7 +13,7 @@ always torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -141,8 +141,12 @@ def _base_for(info: MckpInfo, ti: int, previous: Mapping[str, Tensorish] | None)
 def decompress_state_dict(
     blob: bytes | bytearray | memoryview, *, previous: Mapping[str, Tensorish] | None = None,
     threads: int | None = None, as_numpy: bool = False, verify: bool = True,
+    only: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """Decode a blob made by :func:`compress_state_dict` into ``{name: torch.Tensor}``.
+
+    ``only``: decode just these tensors (names the blob lacks are ignored); a delta chain's
+    restore asks a base for the tensors its deltas need, not the whole base.
 
     Raises ``MissingPrevious`` (naming the tensor) when a delta's base is absent or wrong,
     ``ChecksumMismatch``/``InvalidFormat`` (naming the block) on any corruption.
@@ -155,9 +159,12 @@ def decompress_state_dict(
     """
     info = parse_blob(blob, verify=verify)
     mv = memoryview(blob).cast("B")
-    bases = [_base_for(info, ti, previous) for ti in range(len(info.tensors))]
-    outs = [np.empty(t.nbytes, np.uint8) for t in info.tensors]
-    jobs = sorted(info.index.values(), key=lambda r: r.offset)
+    wanted = [only is None or t.name in only for t in info.tensors]
+    bases = [_base_for(info, ti, previous) if wanted[ti] else None
+             for ti in range(len(info.tensors))]
+    outs = [np.empty(t.nbytes if wanted[ti] else 0, np.uint8)
+            for ti, t in enumerate(info.tensors)]
+    jobs = sorted((r for r in info.index.values() if wanted[r.tensor]), key=lambda r: r.offset)
 
     def work(ref: Any) -> None:
         meta, payload = block_from_bytes(mv[ref.offset:ref.offset + ref.length], ref, info,
@@ -170,7 +177,9 @@ def decompress_state_dict(
 
     _map(work, jobs, threads)
     result: dict[str, Any] = {}
-    for t, buf in zip(info.tensors, outs, strict=True):
+    for t, buf, want in zip(info.tensors, outs, wanted, strict=True):
+        if not want:
+            continue
         ndt = dtype_info(t.dtype).numpy_dtype
         if as_numpy and t.extra.get("numpy") and ndt is not None:
             result[t.name] = buf.view(ndt).reshape(t.shape)

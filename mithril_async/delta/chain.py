@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import xxhash
 
-from mithril_async.codec.dtypes import tensor_bytes
+from mithril_async.codec.chunk import CodecParams
+from mithril_async.codec.dtypes import dtype_name, tensor_bytes
+from mithril_async.delta.choice import delta_pays
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.blobs import EncodePlan, TensorRef
 from mithril_async.pipeline.stager import StagingArea
@@ -38,6 +40,9 @@ class ChainPolicy:
     dedup: bool = False
     keyframe_interval: int = 8
     delta_base: str = "previous"  # or "keyframe"
+    #: a tensor is a delta only if estimated to save this much of its full size (choice.py)
+    min_gain: float = 0.0
+    byte_grouping: bool = True
 
     @property
     def double_buffer(self) -> bool:
@@ -84,7 +89,8 @@ def _raw(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
               ) -> tuple[EncodePlan, dict[str, int]]:
-    """Decide per tensor: reference (unchanged), XOR delta against the base, or full.
+    """Decide per tensor: reference (unchanged), XOR delta against the base (when that is
+    estimated to pay, :func:`~mithril_async.delta.choice.delta_pays`), or full.
 
     Returns the plan and the raw xxh64 of every tensor stored in full (for later dedup).
     Runs on a worker thread: bytewise comparisons and hashes are memory-bound C loops.
@@ -95,6 +101,7 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
     if chain.base_idx is not None:
         base = chain.areas[chain.base_idx].buffers
     pol = chain.policy
+    params = CodecParams(byte_grouping=pol.byte_grouping)
     keyframe = (not pol.delta or chain.base_blob is None
                 or chain.chain_len >= pol.keyframe_interval)
     for name, t in tensors.items():
@@ -106,7 +113,8 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
             if pol.dedup and name in chain.phys and np.array_equal(raw, braw):
                 plan.refs[name] = chain.phys[name]
                 continue
-            if not keyframe and raw.size:
+            if not keyframe and delta_pays(raw, braw, dtype_name(t), t.element_size(),
+                                           params, pol.min_gain):
                 plan.base_views[name] = braw
                 continue
         if pol.dedup:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mithril_async.catalog import RunCatalog
-    from mithril_async.manifest import BaseRef, BlobRef, VersionManifest
+    from mithril_async.manifest import BlobRef, VersionManifest
 
 __all__ = ["VersionReader", "open_catalog", "read_version"]
 
@@ -42,43 +42,22 @@ class VersionReader:
 
         from mithril_async.codec.state_dict import default_threads
         from mithril_async.config import CompressionConfig, PipelineConfig
+        from mithril_async.pipeline.bases import BaseLoader
         from mithril_async.pipeline.blobs import BlobCodec
 
         self.catalog = catalog
         self.pool = concurrent.futures.ThreadPoolExecutor(default_threads(), "mithril-cli")
         self.codec = BlobCodec(CompressionConfig(), PipelineConfig(), self.pool)
-        self._cache: dict[str, dict[str, Any]] = {}
+        #: one for all reads: bases decoded for one version are reused by the next
+        self._loader = BaseLoader(catalog, self.codec, "?")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
     async def read(self, ref: BlobRef) -> tuple[Any, dict[str, Any]]:
         """(skeleton, tensors) of one blob, every checksum on the way verified."""
-        return await self.codec.read(self.catalog.store, ref, self._load)
-
-    async def _load(self, base: BaseRef) -> dict[str, Any]:
-        from mithril_async.errors import KeyNotFound, MissingPrevious
-        from mithril_async.manifest import version_number
-
-        if base.key in self._cache:
-            return self._cache[base.key]
-        layout = self.catalog.layout
-        try:
-            holder = await self.catalog.read_manifest(
-                layout.manifest_key(version_number(base.version_id)))
-        except KeyNotFound:
-            raise MissingPrevious(f"base {base.key}: version {base.version_id} is gone") from None
-        ref = next((b for b in holder.blobs() if b.key == base.key), None)
-        if ref is None or ref.xxh64 != base.xxh64:
-            raise MissingPrevious(f"base {base.key} (xxh64 {base.xxh64}): version "
-                                  f"{base.version_id} holds "
-                                  f"{'no such blob' if ref is None else ref.xxh64}")
-        try:
-            _, tensors = await self.read(ref)
-        except KeyNotFound:
-            raise MissingPrevious(f"base {base.key}: blob is gone") from None
-        self._cache[base.key] = tensors
-        return tensors
+        self._loader.needed_by = ref.key  # named by errors about its bases
+        return await self.codec.read(self.catalog.store, ref, self._loader)
 
 
 async def _lossy_tensors(catalog: RunCatalog, m: VersionManifest, rank: int,

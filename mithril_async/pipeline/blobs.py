@@ -75,7 +75,9 @@ class EncodePlan:
 
 
 #: resolves a blob (by BaseRef) to its decoded tensors; supplied by the manager
-LoadBlob = Callable[[BaseRef], Awaitable[dict[str, torch.Tensor]]]
+#: ``load_blob(base, names)``: the tensors ``names`` of the blob ``base`` names, decoded and
+#: verified (at least those; the loader may cache and return more)
+LoadBlob = Callable[[BaseRef, frozenset[str]], Awaitable[dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -256,11 +258,14 @@ class BlobCodec:
                 fut.cancel()
 
     # ------------------------------------------------------------------ read
-    async def read(self, store: Store, ref: BlobRef, load_blob: LoadBlob | None = None
-                   ) -> tuple[Any, dict[str, torch.Tensor]]:
+    async def read(self, store: Store, ref: BlobRef, load_blob: LoadBlob | None = None,
+                   only: frozenset[str] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
         """Fetch, verify and decode one blob; return (skeleton, tensors).
 
-        Delta bases and referenced tensors are fetched through ``load_blob``.
+        Delta bases and referenced tensors are fetched through ``load_blob``, asking a base
+        only for the tensors this blob's deltas need (a version whose AdamW moments were
+        stored in full decodes no moment of its base).  ``only``: decode just these tensors
+        (the whole blob is still read and its checksum verified).
         """
         size = await store.size(ref.key)  # before reading: a huge file costs no memory
         if size != ref.bytes:
@@ -283,23 +288,40 @@ class BlobCodec:
                 raise InvalidFormat(f"{ref.key}: {err}") from None
             return None, {}
         info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
-        previous: dict[str, torch.Tensor] | None = None
-        if any(t.base_xxh64 is not None for t in info.tensors):
-            if ref.base is None or load_blob is None:
-                raise MissingPrevious(f"{ref.key} is a delta but names no base it can be "
-                                      "decoded against")
-            previous = await load_blob(ref.base)
-        threads = getattr(self.pool, "_max_workers", None)
-        tensors = await loop.run_in_executor(None, lambda: decompress_state_dict(
-            data, previous=previous, threads=threads, verify=False))
         refs = info.metadata.get(REFS_KEY, {})
         if not isinstance(refs, dict):
             raise InvalidFormat(f"{ref.key}: malformed tensor references")
-        for name, raw in refs.items():
-            tref = TensorRef.from_json(raw, ref.key)
+        trefs = {name: TensorRef.from_json(raw, ref.key) for name, raw in refs.items()
+                 if only is None or name in only}
+        # what is needed from each other blob (delta bases and referenced tensors), so each
+        # is asked once, for all of it
+        need: dict[str, tuple[BaseRef, set[str]]] = {}
+        deltas = {t.name for t in info.tensors if t.base_xxh64 is not None
+                  and (only is None or t.name in only)}
+        if deltas:
+            if ref.base is None or load_blob is None:
+                raise MissingPrevious(f"{ref.key} is a delta but names no base it can be "
+                                      "decoded against")
+            need[ref.base.key] = (ref.base, set(deltas))
+        for name, tref in trefs.items():
             if load_blob is None:
                 raise MissingPrevious(f"{ref.key}: tensor {name!r} lives in {tref.holder.key}")
-            holder = await load_blob(tref.holder)
+            holder_ref, names = need.setdefault(tref.holder.key, (tref.holder, set()))
+            if holder_ref.xxh64 != tref.holder.xxh64:
+                raise MissingPrevious(f"{ref.key}: tensor {name!r} names {tref.holder.key} with "
+                                      f"xxh64 {tref.holder.xxh64}, another link says "
+                                      f"{holder_ref.xxh64}")
+            names.add(tref.name)
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for key, (base_ref, names) in need.items():
+            assert load_blob is not None
+            loaded[key] = await load_blob(base_ref, frozenset(names))
+        previous = loaded[ref.base.key] if deltas and ref.base is not None else None
+        threads = getattr(self.pool, "_max_workers", None)
+        tensors = await loop.run_in_executor(None, lambda: decompress_state_dict(
+            data, previous=previous, threads=threads, verify=False, only=only))
+        for name, tref in trefs.items():
+            holder = loaded[tref.holder.key]
             if tref.name not in holder:
                 raise MissingPrevious(f"{ref.key}: tensor {name!r} is not in {tref.holder.key}")
             t = holder[tref.name]
