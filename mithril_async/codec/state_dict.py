@@ -13,7 +13,7 @@ always torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,6 +23,7 @@ import xxhash
 
 from mithril_async.codec.chunk import CodecParams, decode_chunk, encode_chunk
 from mithril_async.codec.container import (
+    BlockRef,
     MckpInfo,
     MckpWriter,
     TensorEntry,
@@ -32,7 +33,8 @@ from mithril_async.codec.container import (
 from mithril_async.codec.dtypes import dtype_info, tensor_bytes, tensor_from_bytes
 from mithril_async.errors import MissingPrevious
 
-__all__ = ["compress_state_dict", "decompress_state_dict", "default_threads", "read_info"]
+__all__ = ["compress_state_dict", "decode_tensors", "decompress_state_dict", "default_threads",
+           "read_info"]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
 Tensorish = torch.Tensor | np.ndarray[Any, Any]
@@ -159,6 +161,21 @@ def decompress_state_dict(
     """
     info = parse_blob(blob, verify=verify)
     mv = memoryview(blob).cast("B")
+    return decode_tensors(info, lambda r: mv[r.offset:r.offset + r.length], previous=previous,
+                          threads=threads, as_numpy=as_numpy, only=only, verify_payload=False)
+
+
+def decode_tensors(
+    info: MckpInfo, block_bytes: Callable[[BlockRef], bytes | memoryview], *,
+    previous: Mapping[str, Tensorish] | None = None, threads: int | None = None,
+    as_numpy: bool = False, only: Collection[str] | None = None, verify_payload: bool = True,
+) -> dict[str, Any]:
+    """Decode the tensors of a parsed blob whose blocks ``block_bytes(ref)`` supplies.
+
+    The core of :func:`decompress_state_dict`, for readers that hold only some of a blob's
+    bytes (ranged reads of the blocks ``only`` needs); ``verify_payload`` checks each block's
+    payload hash (needed when no hash over the whole blob was checked).
+    """
     wanted = [only is None or t.name in only for t in info.tensors]
     bases = [_base_for(info, ti, previous) if wanted[ti] else None
              for ti in range(len(info.tensors))]
@@ -167,8 +184,8 @@ def decompress_state_dict(
     jobs = sorted((r for r in info.index.values() if wanted[r.tensor]), key=lambda r: r.offset)
 
     def work(ref: Any) -> None:
-        meta, payload = block_from_bytes(mv[ref.offset:ref.offset + ref.length], ref, info,
-                                         verify_payload=False)
+        meta, payload = block_from_bytes(block_bytes(ref), ref, info,
+                                         verify_payload=verify_payload)
         off, ln = info.tensors[ref.tensor].chunks[ref.chunk]
         base = bases[ref.tensor]
         decode_chunk(payload, meta, None if base is None else base[off:off + ln],

@@ -24,14 +24,15 @@ import torch
 import xxhash
 
 from mithril_async.codec.chunk import CodecParams, EncodedChunk, encode_chunk
-from mithril_async.codec.container import MckpWriter, TensorEntry
+from mithril_async.codec.container import BlockRef, MckpWriter, TensorEntry
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
-from mithril_async.codec.state_dict import decompress_state_dict, read_info
+from mithril_async.codec.state_dict import decode_tensors, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.lossy.serial import checkpoint_from_bytes
 from mithril_async.manifest import BaseRef, BlobRef
+from mithril_async.pipeline.partial import read_partial
 from mithril_async.storage.base import BlobWriter, Store
 
 SKELETON_KEY = "mithril.skeleton"
@@ -264,30 +265,44 @@ class BlobCodec:
 
         Delta bases and referenced tensors are fetched through ``load_blob``, asking a base
         only for the tensors this blob's deltas need (a version whose AdamW moments were
-        stored in full decodes no moment of its base).  ``only``: decode just these tensors
-        (the whole blob is still read and its checksum verified).
+        stored in full decodes no moment of its base).  ``only``: decode just these tensors;
+        when their blocks are a small part of the blob only they are read (ranged reads,
+        :mod:`~mithril_async.pipeline.partial`), else the whole blob is read and hashed.
         """
         size = await store.size(ref.key)  # before reading: a huge file costs no memory
         if size != ref.bytes:
             raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
-        data = await store.get(ref.key)
         loop = asyncio.get_running_loop()
-        if len(data) != ref.bytes:
-            raise InvalidFormat(f"{ref.key}: {len(data)} bytes, manifest says {ref.bytes}")
-        digest = await loop.run_in_executor(self.pool, xxhash.xxh64_hexdigest, data)
-        if digest != ref.xxh64:
-            raise ChecksumMismatch(ref.key, ref.xxh64, digest)
-        if ref.format == "safetensors":
-            return await loop.run_in_executor(self.pool, _decode_safetensors, data, ref.key)
-        if ref.format == "mldc":
-            # a lossy blob decodes only along its chain (pipeline/lossy.py read_lossy_chain);
-            # here it is parsed and validated, so `mithril verify` checks it like any blob
-            try:
-                await loop.run_in_executor(self.pool, checkpoint_from_bytes, data)
-            except InvalidFormat as err:
-                raise InvalidFormat(f"{ref.key}: {err}") from None
-            return None, {}
-        info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
+        part = (await read_partial(store, ref.key, size, only)
+                if only is not None and ref.format == "mckp" else None)
+        if part is not None:  # some tensors of a base: ranged reads, every piece hashed
+            info, block_bytes = part
+            verify_blocks = True
+        else:
+            data = await store.get(ref.key)
+            if len(data) != ref.bytes:
+                raise InvalidFormat(f"{ref.key}: {len(data)} bytes, manifest says {ref.bytes}")
+            digest = await loop.run_in_executor(self.pool, xxhash.xxh64_hexdigest, data)
+            if digest != ref.xxh64:
+                raise ChecksumMismatch(ref.key, ref.xxh64, digest)
+            if ref.format == "safetensors":
+                return await loop.run_in_executor(self.pool, _decode_safetensors, data, ref.key)
+            if ref.format == "mldc":
+                # a lossy blob decodes only along its chain (pipeline/lossy.py
+                # read_lossy_chain); here it is parsed and validated, so `mithril verify`
+                # checks it like any blob
+                try:
+                    await loop.run_in_executor(self.pool, checkpoint_from_bytes, data)
+                except InvalidFormat as err:
+                    raise InvalidFormat(f"{ref.key}: {err}") from None
+                return None, {}
+            info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
+            whole = memoryview(data).cast("B")
+
+            def block_bytes(r: BlockRef) -> memoryview:
+                return whole[r.offset:r.offset + r.length]
+
+            verify_blocks = False  # the whole-blob hash above covers every block
         refs = info.metadata.get(REFS_KEY, {})
         if not isinstance(refs, dict):
             raise InvalidFormat(f"{ref.key}: malformed tensor references")
@@ -318,8 +333,9 @@ class BlobCodec:
             loaded[key] = await load_blob(base_ref, frozenset(names))
         previous = loaded[ref.base.key] if deltas and ref.base is not None else None
         threads = getattr(self.pool, "_max_workers", None)
-        tensors = await loop.run_in_executor(None, lambda: decompress_state_dict(
-            data, previous=previous, threads=threads, verify=False, only=only))
+        tensors = await loop.run_in_executor(None, lambda: decode_tensors(
+            info, block_bytes, previous=previous, threads=threads, only=only,
+            verify_payload=verify_blocks))
         for name, tref in trefs.items():
             holder = loaded[tref.holder.key]
             if tref.name not in holder:
