@@ -743,8 +743,10 @@ class CheckpointManager:
             skeleton, tensors = await self._codec.read(self.store, refs["model"], load_blob)
             trees["model"] = unflatten_state(skeleton, merge_lossy("model", tensors, lossy))
             return m, trees, {}
-        for name, ref in refs.items():
-            skeleton, tensors = await self._codec.read(self.store, ref, load_blob)
+        # items decode concurrently: one's reads and Python work overlap another's decoding
+        decoded = await asyncio.gather(*(self._codec.read(self.store, ref, load_blob)
+                                         for ref in refs.values()))
+        for name, (skeleton, tensors) in zip(refs, decoded, strict=True):
             trees[name] = unflatten_state(skeleton, merge_lossy(name, tensors, lossy))
         rng_ref = self._rank_ref(m, "rng", m.rng.keys)
         rng_key = rng_ref.key

@@ -10,9 +10,11 @@ decodes only those.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 from typing import TYPE_CHECKING, Any
 
-from mithril_async.errors import KeyNotFound, MissingPrevious
+from mithril_async.errors import InvalidFormat, KeyNotFound, MissingPrevious
 from mithril_async.manifest import BaseRef, BlobRef, version_number
 
 if TYPE_CHECKING:
@@ -20,6 +22,10 @@ if TYPE_CHECKING:
     from mithril_async.pipeline.blobs import BlobCodec
 
 __all__ = ["BaseLoader"]
+
+#: the blobs the current task is decoding, outermost first (each restore item is a task)
+_CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("mithril_chain",
+                                                                          default=())
 
 
 class BaseLoader:
@@ -32,19 +38,30 @@ class BaseLoader:
         self.needed_by = needed_by
         self._tensors: dict[str, dict[str, Any]] = {}
         self._refs: dict[str, BlobRef] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def __call__(self, base: BaseRef, names: frozenset[str]) -> dict[str, Any]:
+        path = _CHAIN.get()
+        if base.key in path:  # hostile or damaged manifests: a chain must not loop
+            raise InvalidFormat(f"{self.needed_by}: the chain of bases loops through "
+                                f"{base.key} ({' -> '.join(path)})")
         have = self._tensors.setdefault(base.key, {})
-        missing = names - have.keys()
-        if not missing:
-            return have
-        ref = await self._ref_of(base)
-        try:
-            _, tensors = await self.codec.read(self.catalog.store, ref, self, only=missing)
-        except KeyNotFound:
-            raise MissingPrevious(f"{self.needed_by} needs {base.key} from version "
-                                  f"{base.version_id}, whose blob is gone") from None
-        have.update(tensors)
+        # items of a version restore concurrently: one decode per blob at a time, so a
+        # second request for the same tensors waits for the first instead of repeating it
+        async with self._locks.setdefault(base.key, asyncio.Lock()):
+            missing = names - have.keys()
+            if not missing:
+                return have
+            ref = await self._ref_of(base)
+            token = _CHAIN.set((*path, base.key))
+            try:
+                _, tensors = await self.codec.read(self.catalog.store, ref, self, only=missing)
+            except KeyNotFound:
+                raise MissingPrevious(f"{self.needed_by} needs {base.key} from version "
+                                      f"{base.version_id}, whose blob is gone") from None
+            finally:
+                _CHAIN.reset(token)
+            have.update(tensors)
         return have
 
     async def _ref_of(self, base: BaseRef) -> BlobRef:

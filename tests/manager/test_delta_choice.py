@@ -16,6 +16,7 @@ from mithril_async import (
     CheckpointManager,
     ChecksumMismatch,
     ConfigError,
+    InvalidFormat,
     TensorDict,
     parse_config,
 )
@@ -230,3 +231,20 @@ def test_read_partial_merges_adjacent_blocks_and_declines_big_parts(tmp_path: Pa
     assert asyncio.run(go({"b"})) is None  # most of the blob: read whole
     refs = sorted(info.index.values(), key=lambda r: r.offset)[:3]
     assert partial._merge(refs) == [(refs[0].offset, sum(r.length for r in refs))]
+
+
+def test_a_chain_of_bases_that_loops_is_refused_not_hung(tmp_path: Path) -> None:
+    """Damaged manifests whose bases point at each other (v2 -> v3 -> v2): InvalidFormat
+    naming the loop, where a lock per blob could otherwise wait on itself forever."""
+    _, held = _versions(tmp_path, 3)
+    vdir = tmp_path / "runs" / "r" / "versions"
+    mans = {v: json.loads((vdir / f"v{v:06d}" / "manifest.json").read_text()) for v in (2, 3)}
+    link = {v: {"version_id": f"v{v:06d}", "key": mans[v]["model"]["key"],
+                "xxh64": mans[v]["model"]["xxh64"]} for v in (2, 3)}
+    mans[2]["model"]["base"], mans[3]["model"]["base"] = link[3], link[2]
+    for v, man in mans.items():
+        (vdir / f"v{v:06d}" / "manifest.json").write_text(json.dumps(man))
+    cfg = parse_config(f'[checkpointing]\nruns_path = "{tmp_path}/runs"\nrun_id = "r"\n')
+    with CheckpointManager(cfg, {"model": TensorDict(held)}) as m, \
+            pytest.raises(InvalidFormat, match="loops"):
+        m.restore_sync(2)
