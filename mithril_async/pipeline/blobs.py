@@ -131,6 +131,15 @@ class BlobCodec:
         small = max(MIN_AUTO_CHUNK, nbytes // 32)
         return self.params if small >= cb else replace(self.params, chunk_bytes=small)
 
+    def inflight_limit(self, params: CodecParams) -> int:
+        """Raw bytes of chunks in flight (submitted, not yet written): ``max_inflight_mib``,
+        but never more than two chunks per codec thread (at least 4): the encoders stay busy
+        with that, and more only piles up encoded chunks waiting for the writer (a 42 MB
+        state's whole blob was in memory at once: peak 1.33x the state)."""
+        threads = int(getattr(self.pool, "_max_workers", 1) or 1)
+        window = max(4, 2 * threads) * params.chunk_bytes
+        return min(self.pipe.max_inflight_mib << 20, window)
+
     @property
     def model_ext(self) -> str:
         return "mckp" if self.comp.enabled else "safetensors"
@@ -223,7 +232,7 @@ class BlobCodec:
     ) -> None:
         """Encode chunks on the pool, at most ``max_inflight_mib`` of them in flight."""
         loop = asyncio.get_running_loop()
-        budget = _Budget(self.pipe.max_inflight_mib << 20)
+        budget = _Budget(self.inflight_limit(params))
         pending: set[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = set()
         # finished encodes arrive here in completion order (asyncio.wait over the whole
         # pending set per drained chunk would cost O(chunks^2) callback bookkeeping)
