@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from mithril_async.errors import DistributedError
@@ -204,11 +205,17 @@ class DistCoordinator:
 
 # -------------------------------------------------------------------- sharded state dicts
 def to_local(tree: Any) -> Any:
-    """``tree`` with every DTensor replaced by this rank's local shard (no copy)."""
+    """``tree`` with every DTensor replaced by this rank's local shard (no copy, detached).
+
+    The shard is read from the DTensor's ``_local_tensor`` when it has one: ``to_local()``
+    goes through an autograd Function (~60 us a tensor, ~1.6 ms of a 2-rank save's ~10 ms
+    stall) to let gradients flow, which a snapshot never needs.
+    """
     from torch.distributed.tensor import DTensor
 
     if isinstance(tree, DTensor):
-        return tree.to_local()
+        local = getattr(tree, "_local_tensor", None)
+        return local.detach() if isinstance(local, torch.Tensor) else tree.to_local().detach()
     if isinstance(tree, dict):
         return {k: to_local(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
