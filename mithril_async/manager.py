@@ -367,7 +367,9 @@ class CheckpointManager:
         for name, obj in self.state.items():
             if isinstance(obj, Stateful):
                 skeleton, tensors = flatten_state(obj.state_dict())
-                chain = self._chains.setdefault(name, ItemChain(self.chain_policy))
+                chain = self._chains.get(name)
+                if chain is None:  # once per item: its staging buffers live in the chain
+                    chain = self._chains[name] = ItemChain(self.chain_policy)
                 self._areas[name] = chain.write_idx
                 out[name] = chain.areas[chain.write_idx].snapshot(tensors)
                 skeletons[name] = skeleton
