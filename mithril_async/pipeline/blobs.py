@@ -96,6 +96,10 @@ class StagedItem:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+#: pieces of an uncompressed blob smaller than this are hashed on the event loop's thread
+_INLINE_HASH_BYTES = 256 << 10
+
+
 class _Budget:
     """A byte budget for data in flight between encoder threads and the store."""
 
@@ -189,8 +193,12 @@ class BlobCodec:
             view, _, _ = tensor_bytes(t)
             for off in range(0, view.size, step):
                 piece = memoryview(view[off:off + step].data)
-                await loop.run_in_executor(self.pool, h.update, piece)
-                await writer.write(piece)
+                if piece.nbytes < _INLINE_HASH_BYTES:  # a thread hop costs more than this
+                    h.update(piece)
+                    await writer.write(piece)
+                else:  # hash on the pool while the writer writes the same bytes
+                    await asyncio.gather(loop.run_in_executor(self.pool, h.update, piece),
+                                         writer.write(piece))
         return h.hexdigest()
 
     async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int,
