@@ -62,7 +62,7 @@ from mithril_async.manifest import (
 from mithril_async.pipeline.bases import BaseLoader
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
-from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.loop import BackgroundLoop, all_or_first_error
 from mithril_async.pipeline.lossy import (
     LossyTrack,
     Roles,
@@ -506,13 +506,13 @@ class CheckpointManager:
         loop = asyncio.get_running_loop()
         if self._lossy is not None:
             items = await self._write_lossy(number, res, items, roles or {}, part)
-        for item in items:
+        async def write_item(item: StagedItem) -> tuple[StagedItem, BlobRef] | None:
             chain = self._chains[item.name]
             plan, hashes = (await loop.run_in_executor(self._pool, plan_item, chain, item.tensors)
                             if self.chain_policy.double_buffer else (EncodePlan(), {}))
             if item.name == "model":
                 if self.rank != 0 and not self.sharded_model:
-                    continue
+                    return None
                 key = (self.layout.model_key(number, self._codec.model_ext) if self.rank == 0
                        and not self.sharded_model else
                        self.layout.shard_key(number, "model", self.rank))
@@ -520,12 +520,8 @@ class CheckpointManager:
                 key = self.layout.shard_key(number, item.name, self.rank)
             ref = await self._codec.write(self.store, key, item, step=res.step, plan=plan)
             updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
-            part.bytes_in += ref.raw_bytes
-            part.bytes_out += ref.bytes
-            if item.name == "model" and self.rank == 0 and not self.sharded_model:
-                part.model = ref
-            else:
-                part.shards[item.name] = ShardRef(rank=self.rank, **ref.model_dump())
+            return item, ref
+
         part.exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
                          for s in json_states.values())
         part.rng_key = self.layout.rng_key(number, self.rank)
@@ -533,7 +529,20 @@ class CheckpointManager:
                    "exact": part.exact}
         rng_bytes = json.dumps(rng_doc).encode()
         part.rng_xxh64 = xxhash.xxh64_hexdigest(rng_bytes)
-        await self.store.put(part.rng_key, rng_bytes)
+        # items (and the RNG file) are written concurrently: one blob's fsync waits on the
+        # disk while the codec threads encode the next one
+        written = await all_or_first_error(
+            [write_item(item) for item in items] + [self.store.put(part.rng_key, rng_bytes)])
+        for out in written[:len(items)]:
+            if out is None:
+                continue
+            item, ref = out
+            part.bytes_in += ref.raw_bytes
+            part.bytes_out += ref.bytes
+            if item.name == "model" and self.rank == 0 and not self.sharded_model:
+                part.model = ref
+            else:
+                part.shards[item.name] = ShardRef(rank=self.rank, **ref.model_dump())
         res.bytes_in += part.bytes_in
         res.bytes_out += part.bytes_out
         return part

@@ -16,6 +16,36 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+async def all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run ``coros`` concurrently; return their results in order, or raise the first error.
+
+    Unlike ``asyncio.gather`` the others are cancelled *and awaited* before the error is
+    raised (a write still running could otherwise land after the save was discarded), and
+    unlike a ``TaskGroup`` the error comes out as itself, not wrapped in an ExceptionGroup (so
+    a failed save still raises the typed error of the store or codec that failed).
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled ourselves: take the children down with us
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    failed = next((t for t in tasks if t.done() and not t.cancelled()
+                   and t.exception() is not None), None)
+    if failed is None:
+        return [t.result() for t in tasks]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    err = failed.exception()
+    assert err is not None
+    raise err
+
+
 def new_event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     """Create an event loop, preferring uvloop; return it with the name of its kind."""
     try:
