@@ -10,7 +10,6 @@ decodes only those.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,6 @@ class BaseLoader:
         self.needed_by = needed_by
         self._tensors: dict[str, dict[str, Any]] = {}
         self._refs: dict[str, BlobRef] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
 
     async def __call__(self, base: BaseRef, names: frozenset[str]) -> dict[str, Any]:
         path = _CHAIN.get()
@@ -46,22 +44,22 @@ class BaseLoader:
             raise InvalidFormat(f"{self.needed_by}: the chain of bases loops through "
                                 f"{base.key} ({' -> '.join(path)})")
         have = self._tensors.setdefault(base.key, {})
-        # items of a version restore concurrently: one decode per blob at a time, so a
-        # second request for the same tensors waits for the first instead of repeating it
-        async with self._locks.setdefault(base.key, asyncio.Lock()):
-            missing = names - have.keys()
-            if not missing:
-                return have
-            ref = await self._ref_of(base)
-            token = _CHAIN.set((*path, base.key))
-            try:
-                _, tensors = await self.codec.read(self.catalog.store, ref, self, only=missing)
-            except KeyNotFound:
-                raise MissingPrevious(f"{self.needed_by} needs {base.key} from version "
-                                      f"{base.version_id}, whose blob is gone") from None
-            finally:
-                _CHAIN.reset(token)
-            have.update(tensors)
+        missing = names - have.keys()
+        if not missing:
+            return have
+        # no lock per blob: a task holding one while waiting for another's could deadlock on
+        # a damaged chain; two items asking the same blob at once (their chains are separate
+        # blobs, so only a damaged run does) just decode it twice
+        ref = await self._ref_of(base)
+        token = _CHAIN.set((*path, base.key))
+        try:
+            _, tensors = await self.codec.read(self.catalog.store, ref, self, only=missing)
+        except KeyNotFound:
+            raise MissingPrevious(f"{self.needed_by} needs {base.key} from version "
+                                  f"{base.version_id}, whose blob is gone") from None
+        finally:
+            _CHAIN.reset(token)
+        have.update(tensors)
         return have
 
     async def _ref_of(self, base: BaseRef) -> BlobRef:
