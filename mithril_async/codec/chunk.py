@@ -38,6 +38,7 @@ __all__ = [
     "decode_chunk",
     "encode_chunk",
     "plane_sizes",
+    "transform_bytes",
 ]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
@@ -205,6 +206,18 @@ def _check_transform(meta: ChunkMeta, where: str) -> Transform:
     return transform
 
 
+def transform_bytes(src: U8, transform: Transform, width: int, base: U8 | None,
+                    out: U8 | None = None) -> U8:
+    """The planes ``transform`` makes of ``src`` (XORed with ``base`` first when given), in
+    ``out`` when given; ``NONE`` without a base returns ``src`` itself."""
+    if transform == Transform.NONE:
+        return src if base is None else K.xor(src, base, out=out)
+    if transform == Transform.GROUP:
+        return (K.group(src, width, out=out) if base is None
+                else K.xor_group(src, base, width, out=out))
+    return K.exp_group(src, _EXP_KIND[transform][0], base, out=out)
+
+
 def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> EncodedChunk:
     """Encode the raw bytes ``src`` of one chunk (``base``: same-size bytes to XOR with)."""
     raw_size = src.size
@@ -212,15 +225,7 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
         raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
     raw_xxh = xxhash.xxh64_intdigest(src.data)
     transform, width, mode = choose_transform(dtype_name, raw_size, params)
-    buf: U8
-    scratch = _scratch("enc", raw_size)
-    if transform == Transform.NONE:
-        buf = src if base is None else K.xor(src, base, out=scratch)
-    elif transform == Transform.GROUP:
-        buf = (K.group(src, width, out=scratch) if base is None
-               else K.xor_group(src, base, width, out=scratch))
-    else:
-        buf = K.exp_group(src, _EXP_KIND[transform][0], base, out=scratch)
+    buf = transform_bytes(src, transform, width, base, out=_scratch("enc", raw_size))
     parts: list[Any] = []
     planes: list[tuple[int, int]] = []
     off = 0

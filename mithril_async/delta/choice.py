@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mithril_async.codec import kernels as K
-from mithril_async.codec.chunk import CodecParams, Transform, choose_transform, plane_sizes
+from mithril_async.codec.chunk import CodecParams, choose_transform, plane_sizes, transform_bytes
 from mithril_async.codec.entropy import sample_entropy
 
 __all__ = ["SAMPLE_ELEMENTS", "TINY_BYTES", "delta_pays", "estimated_bytes"]
@@ -35,9 +34,6 @@ SAMPLE_ELEMENTS = 32768
 #: tensors smaller than this are stored in full in delta versions: the saving is a few bytes,
 #: the dependency on the base (a whole blob to decode at restore) is not
 TINY_BYTES = 4096
-
-_EXP_KIND = {Transform.EXP_BF16: "bf16", Transform.EXP_FP32: "fp32"}
-
 
 def _sample(raw: U8, itemsize: int) -> U8:
     """At most ``SAMPLE_ELEMENTS`` whole elements of ``raw``, evenly strided, contiguous."""
@@ -52,12 +48,7 @@ def _sample(raw: U8, itemsize: int) -> U8:
 def estimated_bytes(sample: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> float:
     """Order-0 estimate of the stored size of ``sample`` (XORed with ``base`` when given)."""
     transform, width, _ = choose_transform(dtype_name, sample.size, params)
-    if transform == Transform.NONE:
-        planes = sample if base is None else K.xor(sample, base)
-    elif transform == Transform.GROUP:
-        planes = K.group(sample, width) if base is None else K.xor_group(sample, base, width)
-    else:
-        planes = K.exp_group(sample, _EXP_KIND[transform], base)
+    planes = transform_bytes(sample, transform, width, base)
     total, off = 0.0, 0
     for n in plane_sizes(transform, width, planes.size):
         total += min(8.0, sample_entropy(planes[off:off + n])) * n / 8
