@@ -755,8 +755,8 @@ class CheckpointManager:
             trees["model"] = unflatten_state(skeleton, merge_lossy("model", tensors, lossy))
             return m, trees, {}
         # items decode concurrently: one's reads and Python work overlap another's decoding
-        decoded = await asyncio.gather(*(self._codec.read(self.store, ref, load_blob)
-                                         for ref in refs.values()))
+        decoded = await all_or_first_error([self._codec.read(self.store, ref, load_blob)
+                                            for ref in refs.values()])
         for name, (skeleton, tensors) in zip(refs, decoded, strict=True):
             trees[name] = unflatten_state(skeleton, merge_lossy(name, tensors, lossy))
         rng_ref = self._rank_ref(m, "rng", m.rng.keys)

@@ -28,9 +28,10 @@ BlockBytes = Callable[[BlockRef], memoryview]
 
 
 def _merge(blocks: list[BlockRef]) -> list[tuple[int, int]]:
-    """Byte ranges ``(offset, length)`` covering ``blocks``, adjacent blocks merged."""
+    """Byte ranges ``(offset, length)`` covering ``blocks`` (sorted by offset), adjacent
+    blocks merged."""
     spans: list[tuple[int, int]] = []
-    for b in sorted(blocks, key=lambda r: r.offset):
+    for b in blocks:
         if spans and spans[-1][0] + spans[-1][1] == b.offset:
             spans[-1] = (spans[-1][0], spans[-1][1] + b.length)
         else:
@@ -52,13 +53,14 @@ async def read_partial(store: Store, key: str, size: int, names: Collection[str]
     except InvalidFormat as err:
         raise InvalidFormat(f"{key}: {err}") from None
     wanted = {i for i, t in enumerate(info.tensors) if t.name in names}
-    blocks = [r for r in info.index.values() if r.tensor in wanted]
+    blocks = sorted((r for r in info.index.values() if r.tensor in wanted),
+                    key=lambda r: r.offset)
     if sum(b.length for b in blocks) > PARTIAL_MAX_FRACTION * size:
         return None
     spans = _merge(blocks)
     datas = await asyncio.gather(*(read_range(o, n) for o, n in spans))
     where: dict[int, tuple[int, memoryview]] = {}  # block offset -> (span offset, span bytes)
-    ordered = iter(sorted(blocks, key=lambda r: r.offset))
+    ordered = iter(blocks)
     for (off, n), data in zip(spans, datas, strict=True):
         if len(data) != n:
             raise InvalidFormat(f"{key}: ranged read of {n} bytes at {off} returned {len(data)}")
