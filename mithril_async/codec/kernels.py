@@ -236,9 +236,8 @@ def copy_batch(jobs: list[tuple[int, int, int]], stream_min: int = 1 << 20) -> N
         if len(job) != 3 or min(job) < 0:
             raise ValueError(f"copy_batch: job {i} is not a (src, dst, nbytes) triple of "
                              f"non-negative ints: {job!r}")
-    arr = np.array(jobs, dtype=np.uint64).reshape(n, 3)
     if _use_native:
-        src, dst, ln = (np.ascontiguousarray(arr[:, k]) for k in range(3))
+        src, dst, ln = np.ascontiguousarray(np.array(jobs, dtype=np.uint64).T)  # 3 columns
         _lib.mk_copy_batch(_ffi.cast("uintptr_t *", src.ctypes.data),
                            _ffi.cast("uintptr_t *", dst.ctypes.data),
                            _ffi.cast("size_t *", ln.ctypes.data), n, stream_min)

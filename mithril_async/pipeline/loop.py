@@ -29,19 +29,15 @@ async def all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]
         return []
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:  # cancelled ourselves: take the children down with us
+        failed = next((t for t in tasks if t.done() and not t.cancelled()
+                       and t.exception() is not None), None)
+        if failed is None:
+            return [t.result() for t in tasks]
+        err = failed.exception()
+    finally:  # an error, or we were cancelled ourselves: take the others down first
         for t in tasks:
-            t.cancel()
+            t.cancel()  # a no-op on finished tasks
         await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    failed = next((t for t in tasks if t.done() and not t.cancelled()
-                   and t.exception() is not None), None)
-    if failed is None:
-        return [t.result() for t in tasks]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    err = failed.exception()
     assert err is not None
     raise err
 
