@@ -65,6 +65,11 @@ class PipelineConfig(_Strict):
 
     max_inflight_mib: int = Field(256, ge=8, description="encoded bytes in flight per save")
     on_busy: Literal["wait", "skip", "error"] = "wait"
+    #: "blocking": save() returns once every tensor is copied. "overlapped": tensors that only
+    #: ``optimizer.step()`` changes (the optimizers' parameters and state) are copied by a
+    #: background thread while the loop computes; the next ``step()`` waits for that copy
+    #: (pipeline/overlap.py). Any other in-place change meanwhile fails the save (SnapshotTorn).
+    snapshot: Literal["blocking", "overlapped"] = "blocking"
     #: temp files / multipart uploads older than this are a killed writer's, removed at start
     #: (younger ones may belong to another live writer of the same run and are left alone)
     orphan_age_s: float = Field(600.0, ge=0)

@@ -127,3 +127,12 @@ class ErrorBoundExceeded(MithrilError, ValueError):
 
 
 __all__ += ["ErrorBoundExceeded"]
+
+
+class SnapshotTorn(MithrilError, RuntimeError):
+    """An overlapped snapshot's source tensor changed in place before its background copy
+    finished (a change that did not go through a guarded ``optimizer.step()``); the save is
+    dropped rather than written torn. The message names the tensors."""
+
+
+__all__ += ["SnapshotTorn"]

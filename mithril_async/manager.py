@@ -71,6 +71,7 @@ from mithril_async.pipeline.lossy import (
     read_lossy_chain,
     write_lossy,
 )
+from mithril_async.pipeline.overlap import OverlapCopy, StepGuard, optimizers_in
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.pipeline.stager import Snapshot
 from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN, Policy, plan_retention
@@ -184,6 +185,9 @@ class CheckpointManager:
         self._config_written = False
         self._commit_error: Exception | None = None
         self._closed = False
+        #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
+        self._guard: StepGuard | None = None
+        self._overlap: OverlapCopy | None = None  # started by _snapshot, taken by _submit
 
     @classmethod
     def from_toml(cls, path: str | Path, state: Mapping[str, Any], **kw: Any) -> CheckpointManager:
@@ -257,6 +261,8 @@ class CheckpointManager:
                 concurrent.futures.wait([self._inflight])
         finally:
             self._closed = True
+            if self._guard is not None:
+                self._guard.remove()
             if self._loop is not None:
                 self._loop.run(self.store.close())
                 self._loop.close()
@@ -364,6 +370,7 @@ class CheckpointManager:
         out: dict[str, Snapshot | dict[str, Any]] = {}
         skeletons: dict[str, Any] = {}
         self._areas: dict[str, int] = {}
+        defer = self._deferrable()
         for name, obj in self.state.items():
             if isinstance(obj, Stateful):
                 skeleton, tensors = flatten_state(obj.state_dict())
@@ -371,19 +378,48 @@ class CheckpointManager:
                 if chain is None:  # once per item: its staging buffers live in the chain
                     chain = self._chains[name] = ItemChain(self.chain_policy)
                 self._areas[name] = chain.write_idx
-                out[name] = chain.areas[chain.write_idx].snapshot(tensors)
+                out[name] = chain.areas[chain.write_idx].snapshot(tensors, defer)
                 skeletons[name] = skeleton
             else:
                 out[name] = {"json_state": obj.get_state()}
         self._skeletons = skeletons
         self._roles = lossy_roles(self.state) if self._lossy is not None else {}
         out["__rng__"] = {"rng": capture_rng()}
+        self._overlap = self._start_overlap(out)
         return out
+
+    def _deferrable(self) -> frozenset[int]:
+        """Addresses of the tensors an overlapped snapshot may copy after ``save()`` returns
+        (none with snapshot = "blocking"); waits for any copy still running first."""
+        if self.cfg.pipeline.snapshot != "overlapped":
+            return frozenset()
+        if self._guard is None:
+            self._guard = StepGuard(optimizers_in(self.state))
+            if not self._guard.optimizers:
+                log.warning('snapshot = "overlapped": no optimizer in the state, so nothing '
+                            "is guarded and every tensor is copied before save() returns")
+        self._guard.wait()
+        return self._guard.pointers()
+
+    def _start_overlap(self, snaps: Mapping[str, Snapshot | dict[str, Any]]
+                       ) -> OverlapCopy | None:
+        """Start the background copy of every item's deferred tensors (one thread job)."""
+        staged = [s for s in snaps.values() if isinstance(s, Snapshot) and s.deferred]
+        if not staged:
+            return None
+        assert self._guard is not None
+        copy = OverlapCopy([j for s in staged for j in s.deferred],
+                           [w for s in staged for w in s.watch], self._guard.copy_threads)
+        self._guard.pending = copy
+        return copy
 
     def _submit(self, step: int, metrics: Mapping[str, Any] | None,
                 snaps: dict[str, Snapshot | dict[str, Any]], t0: float,
                 waited: float) -> SaveHandle:
         res = SaveResult(step, stall_s=time.perf_counter() - t0, waited_s=waited)
+        overlap, self._overlap = self._overlap, None
+        if overlap is not None:
+            overlap.result = res
         items = [StagedItem(name, self._skeletons[name], snap.tensors, self._areas[name])
                  for name, snap in snaps.items() if isinstance(snap, Snapshot)]
         json_states = {name: s["json_state"] for name, s in snaps.items()
@@ -391,29 +427,33 @@ class CheckpointManager:
         rng = snaps["__rng__"]
         assert isinstance(rng, dict)
         job = self._run_save(res, dict(metrics or {}), items, json_states, rng["rng"], t0,
-                             self._roles)
+                             self._roles, overlap)
         fut = self.loop.submit(job)
         self._inflight = fut
         return SaveHandle(res, fut)
 
     async def _run_save(self, res: SaveResult, metrics: dict[str, Any], items: list[StagedItem],
                         json_states: dict[str, Any], rng: dict[str, Any], t0: float,
-                        roles: Roles) -> SaveResult:
+                        roles: Roles, overlap: OverlapCopy | None = None) -> SaveResult:
         """One save; a lossy version that did not commit never becomes the next base."""
         try:
-            return await self._run_save_inner(res, metrics, items, json_states, rng, t0, roles)
+            return await self._run_save_inner(res, metrics, items, json_states, rng, t0, roles,
+                                              overlap)
         finally:
             if self._lossy is not None:
                 self._lossy.rollback()  # no-op once the version committed
 
     async def _run_save_inner(self, res: SaveResult, metrics: dict[str, Any],
                               items: list[StagedItem], json_states: dict[str, Any],
-                              rng: dict[str, Any], t0: float, roles: Roles) -> SaveResult:
+                              rng: dict[str, Any], t0: float, roles: Roles,
+                              overlap: OverlapCopy | None) -> SaveResult:
         coord = self.coordinator
         number = await coord.agree_version(self.catalog.claim_version)
         res.version_id = version_id(number)
         updates: list[_ChainUpdate] = []
         try:
+            if overlap is not None:  # the staged buffers are complete (and untorn) first
+                await overlap.finished()
             part = await self._write_part(number, res, items, json_states, rng, updates, roles)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
@@ -820,6 +860,8 @@ class CheckpointManager:
 
     def _apply(self, m: VersionManifest, trees: dict[str, Any], rng_doc: dict[str, Any],
                load: str) -> None:
+        if self._guard is not None:  # a copy still reading the live tensors finishes first
+            self._guard.wait()
         for name, obj in self.state.items():
             if load == "model" and name != "model":
                 continue

@@ -18,6 +18,9 @@ class SaveResult:
     stall_s: float = 0.0
     #: seconds spent waiting for the previous save (part of ``stall_s``; on_busy = "wait")
     waited_s: float = 0.0
+    #: seconds ``optimizer.step()`` waited for this save's overlapped copy (snapshot =
+    #: "overlapped"): the loop was blocked ``stall_s + step_wait_s`` in all
+    step_wait_s: float = 0.0
     #: seconds from the call to the commit of manifest and aliases
     total_s: float = 0.0
     bytes_in: int = 0
@@ -35,7 +38,8 @@ class SaveResult:
 
     def line(self) -> str:
         return (f"step {self.step:>7} {self.status:<9} {self.version_id or '-':>8} "
-                f"stall {self.stall_s * 1e3:8.1f} ms  total {self.total_s:7.3f} s  "
+                f"stall {(self.stall_s + self.step_wait_s) * 1e3:8.1f} ms  "
+                f"total {self.total_s:7.3f} s  "
                 f"{self.bytes_in / 1e6:9.2f} MB -> {self.bytes_out / 1e6:9.2f} MB  "
                 f"ratio {self.ratio:5.2f}x  {self.mb_s:8.1f} MB/s")
 

@@ -11,6 +11,10 @@ state). Anything else (views with strides, conjugate/negative bits, tensor subcl
 through ``copy_``. CUDA tensors go into pinned buffers with ``non_blocking`` copies on a side
 stream, and the snapshot is consistent once that stream's event has completed — ``save()``
 awaits the event, never a device-wide synchronize, so other streams keep running.
+
+With ``defer`` (``snapshot = "overlapped"``, :mod:`~mithril_async.pipeline.overlap`), the byte
+copies of the named CPU tensors are not run here but returned as jobs, together with each
+source's version counter, for a background copy that overlaps the next forward/backward.
 """
 
 from __future__ import annotations
@@ -112,6 +116,10 @@ class Snapshot:
     copy_s: float = 0.0
     reused: bool = True
     devices: set[str] = field(default_factory=set)
+    #: byte copies left to a background thread (``defer``), not yet run
+    deferred: list[Job] = field(default_factory=list)
+    #: (name, source, its ``_version`` at snapshot time) for every deferred copy
+    watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -156,8 +164,13 @@ class StagingArea:
         self._buffers[name] = buf
         return buf, False
 
-    def snapshot(self, tensors: dict[str, torch.Tensor]) -> Snapshot:
-        """Copy ``tensors`` into the reused buffers; device copies are asynchronous."""
+    def snapshot(self, tensors: dict[str, torch.Tensor],
+                 defer: frozenset[int] | set[int] = frozenset()) -> Snapshot:
+        """Copy ``tensors`` into the reused buffers; device copies are asynchronous.
+
+        Plain CPU tensors whose ``data_ptr()`` is in ``defer`` are not copied: their jobs and
+        version counters come back in ``Snapshot.deferred`` / ``Snapshot.watch``.
+        """
         t0 = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
         reused = True
@@ -167,6 +180,8 @@ class StagingArea:
             del self._buffers[name]
         cuda_items: list[tuple[torch.Tensor, torch.Tensor]] = []
         jobs: list[Job] = []  # byte copies, run by native code at the end
+        deferred: list[Job] = []
+        watch: list[tuple[str, torch.Tensor, int]] = []
         native = K.native_available()
         for name, src in tensors.items():
             buf, hit = self._buffer_for(name, src)
@@ -175,8 +190,12 @@ class StagingArea:
                 devices.add("cpu")
                 if native and _byte_copyable(buf, src):
                     n = src.numel() * src.element_size()
-                    if n:
-                        jobs.append((src.data_ptr(), buf.data_ptr(), n))
+                    ptr = src.data_ptr()
+                    if n and ptr in defer:
+                        deferred.append((ptr, buf.data_ptr(), n))
+                        watch.append((name, src, src._version))
+                    elif n:
+                        jobs.append((ptr, buf.data_ptr(), n))
                 else:
                     buf.copy_(src)
             else:
@@ -189,7 +208,8 @@ class StagingArea:
         copy_jobs(jobs, self.copy_threads)
         event = self._copy_from_cuda(cuda_items) if cuda_items else None
         nbytes = sum(b.numel() * b.element_size() for b in out.values())
-        return Snapshot(out, event, nbytes, time.perf_counter() - t0, reused, devices)
+        return Snapshot(out, event, nbytes, time.perf_counter() - t0, reused, devices,
+                        deferred, watch)
 
     def _copy_from_cuda(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Queue D2H copies on a side stream after the producer's work; return their event."""

@@ -145,7 +145,7 @@ def write_failure(runs: Path, rank: int) -> dict[str, Any]:
     return seen
 
 
-def sharded(runs: Path, seed: int
+def sharded(runs: Path, seed: int, extra: str = ""
             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, CheckpointManager]:
     """A model whose weights are DTensors sharded by rows (as FSDP2 shards them)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,9 +158,29 @@ def sharded(runs: Path, seed: int
         setattr(model, name, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": ShardedModel(model), "optimizer": ShardedOptimizer(model, opt)}
-    manager = CheckpointManager(config(runs, "sharded", 1), state,
-                                sharded_model=True)
+    cfg = config(runs, "sharded", 1) if not extra else parse_config(
+        f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "sharded"\n{extra}')
+    manager = CheckpointManager(cfg, state, sharded_model=True)
     return model, opt, manager
+
+
+def overlapped_sharded(runs: Path) -> dict[str, Any]:
+    """snapshot = "overlapped" on DTensor shards: each save is followed at once by a step that
+    must wait for the background copy; v2 restored must equal the state v2 was saved from."""
+    model, opt, manager = sharded(runs, seed=5,
+                                  extra='[checkpointing.pipeline]\nsnapshot = "overlapped"\n')
+    saved = []
+    for v in (1, 2, 3):
+        sharded_step(model, opt)
+        saved.append(local_state(model, opt))
+        handle = manager.save_nowait(v)
+        sharded_step(model, opt)  # changes every shard: the step pre-hook waits for the copy
+        handle.result()
+    assert manager._guard is not None
+    seen = {"deferred": len(manager._guard.pointers()), "saved_v2": saved[1],
+            "step": manager.restore_sync("v000002"), "restored_v2": local_state(model, opt)}
+    manager.close()
+    return seen
 
 
 def lossy_sharded(runs: Path) -> dict[str, Any]:
@@ -243,6 +263,7 @@ def crash(runs: Path, total: int, out: Path, faults: bool) -> None:
         seen["sharded_saved"] = local_state(smodel, sopt)
         smanager.close()
         seen["lossy"] = lossy_sharded(runs.parent / "lossy_runs")
+        seen["overlapped"] = overlapped_sharded(runs.parent / "overlapped_runs")
     model, opt, batcher = make(rank)
     state = {"model": model, "optimizer": opt, "batcher": batcher}
     manager = CheckpointManager(config(runs, None, total), state,

@@ -186,6 +186,17 @@ def test_sharded_dtensor_state_restores_per_rank(two: Job) -> None:
 
 
 @pytest.mark.slow
+def test_overlapped_snapshot_of_dtensor_shards(two: Job) -> None:
+    """Each rank's optimizer-owned shards are copied after save() returns; the step right
+    after it waits, so the restored version equals the state it was saved from."""
+    for rank in range(2):
+        seen = two.ref[rank]["overlapped"]
+        assert seen["deferred"] == 8  # weight and bias, each with exp_avg, exp_avg_sq, step
+        assert seen["step"] == 2
+        assert state_equal(seen["saved_v2"], seen["restored_v2"]), f"rank {rank}"
+
+
+@pytest.mark.slow
 def test_lossy_tier_across_ranks(two: Job) -> None:
     """Each rank codes its own shards lossily; the manifest lists one lossy blob per rank."""
     for rank in range(2):

@@ -1,0 +1,141 @@
+"""Overlapped snapshots (``[checkpointing.pipeline] snapshot = "overlapped"``).
+
+A training step changes the weights and the optimizer state in one place only:
+``optimizer.step()``. Between a save and that call come the next batch's forward and backward
+passes, which read the weights but do not write them. So the copy of those tensors need not
+block the loop: ``save()`` copies everything else (buffers such as batch-norm statistics, which
+forward *does* change, step counters of other objects, RNG), hands the optimizer-owned tensors
+to a background thread (the native copy releases the GIL) and returns; a pre-hook on each
+optimizer's ``step()`` waits for that copy. The loop is then blocked only by whatever of the copy
+is not hidden behind forward/backward (CheckFreq, FAST '21, pipelines its snapshot the same way).
+
+Safety does not rest on the hook alone: every deferred source's version counter
+(``Tensor._version``, bumped by every in-place op, shared by ``detach()`` views) is read at
+``save()`` and again after the copy. If anything changed one in between (a manual ``p.add_()``,
+``load_state_dict``, an optimizer we did not hook), the save fails with
+:class:`~mithril_async.errors.SnapshotTorn` naming the tensors instead of writing a torn
+checkpoint; the last committed version is untouched. (A write through ``.data`` bypasses the
+counter; torch's optimizers do not do that.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from mithril_async.errors import SnapshotTorn
+from mithril_async.pipeline.results import SaveResult
+from mithril_async.pipeline.stager import Job, copy_jobs, default_copy_threads
+
+_copier: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that runs overlapped copies (``copy_jobs`` may add its own helper)."""
+    global _copier
+    if _copier is None:
+        _copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mithril-overlap")
+    return _copier
+
+
+class OverlapCopy:
+    """The deferred byte copies of one save, run on a background thread, then checked."""
+
+    def __init__(self, jobs: list[Job], watch: list[tuple[str, torch.Tensor, int]],
+                 threads: int) -> None:
+        self.jobs, self.watch, self.threads = jobs, watch, threads
+        self.nbytes = sum(n for _, _, n in jobs)
+        self.result: SaveResult | None = None  # gets the step() waits, once submitted
+        self.future: concurrent.futures.Future[None] = _executor().submit(self._run)
+
+    def _run(self) -> None:
+        copy_jobs(self.jobs, self.threads)
+        changed = [name for name, src, version in self.watch if src._version != version]
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
+                                               if len(changed) > 5 else "")
+            raise SnapshotTorn(
+                f"{len(changed)} tensor(s) changed in place while their overlapped snapshot "
+                f"was being copied: {shown}; with snapshot = \"overlapped\" only a hooked "
+                "optimizer.step() may change the state between save() and the copy's end "
+                "(use snapshot = \"blocking\" otherwise)")
+
+    def wait_blocking(self) -> float:
+        """Block until the copy has finished (its error is the save's to report); seconds."""
+        if self.future.done():
+            return 0.0
+        t0 = time.perf_counter()
+        concurrent.futures.wait([self.future])
+        waited = time.perf_counter() - t0
+        if self.result is not None:
+            self.result.step_wait_s += waited
+        return waited
+
+    async def finished(self) -> None:
+        """Await the copy from the pipeline; raises :class:`SnapshotTorn` if it is torn."""
+        await asyncio.wrap_future(self.future)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what a sharded state dict holds), else the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers a state holds: directly, or wrapped in an ``.optimizer`` attribute
+    (:class:`~mithril_async.distributed.ShardedOptimizer`, integration adapters)."""
+    found: list[torch.optim.Optimizer] = []
+    for obj in state.values():
+        opt = obj if isinstance(obj, torch.optim.Optimizer) else getattr(obj, "optimizer", None)
+        if isinstance(opt, torch.optim.Optimizer) and all(opt is not o for o in found):
+            found.append(opt)
+    return found
+
+
+def _owned_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in opt.param_groups:
+        yield from group["params"]
+    for per_param in opt.state.values():
+        yield from (v for v in per_param.values() if isinstance(v, torch.Tensor))
+
+
+class StepGuard:
+    """Pre-hooks on optimizers' ``step()`` that wait for the pending overlapped copy."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.pending: OverlapCopy | None = None
+        self.copy_threads = default_copy_threads()
+        self._handles = [opt.register_step_pre_hook(self._before_step)
+                         for opt in self.optimizers]
+
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.wait()
+
+    def pointers(self) -> frozenset[int]:
+        """Addresses of every CPU tensor only ``step()`` changes (parameters, their state)."""
+        ptrs = set()
+        for opt in self.optimizers:
+            for t in _owned_tensors(opt):
+                local = _local(t)
+                if local.is_cpu and local.numel():
+                    ptrs.add(local.data_ptr())
+        return frozenset(ptrs)
+
+    def wait(self) -> None:
+        """Let the pending copy finish (called before a step, a restore, the next snapshot)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait_blocking()
+
+    def remove(self) -> None:
+        self.wait()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

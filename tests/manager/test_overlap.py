@@ -1,0 +1,180 @@
+"""Overlapped snapshots: optimizer-owned tensors are copied after ``save()`` returns, the next
+``optimizer.step()`` waits for that copy, and any other in-place change meanwhile fails the save
+(SnapshotTorn) without touching the last committed version."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from mithril_async import CheckpointManager, Config, SaveFailed, SnapshotTorn
+from mithril_async.pipeline import overlap
+from mithril_async.pipeline.stager import StagingArea
+
+from .conftest import Batcher, TinyNet, make_state, state_equal, train_step
+
+OVERLAPPED = '[checkpointing.pipeline]\nsnapshot = "overlapped"\n'
+
+
+class CountingNet(TinyNet):
+    """TinyNet plus a buffer that every forward changes in place (like batch-norm stats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(4096))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def _gated_copy(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[int]]:
+    """Make every overlapped copy wait for the returned event; record the bytes it copies."""
+    gate = threading.Event()
+    copied: list[int] = []
+    real = overlap.copy_jobs
+
+    def gated(jobs: Any, threads: int) -> None:
+        assert gate.wait(30)
+        copied.append(sum(n for _, _, n in jobs))
+        real(jobs, threads)
+
+    monkeypatch.setattr(overlap, "copy_jobs", gated)
+    return gate, copied
+
+
+def _live(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": copy.deepcopy(model.state_dict()),
+            "optimizer": copy.deepcopy(opt.state_dict())}
+
+
+def test_every_version_holds_the_state_of_its_save(make_config: Callable[..., Config]) -> None:
+    torch.manual_seed(0)
+    model = CountingNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batcher = Batcher()
+    expected: dict[int, dict[str, Any]] = {}
+    with CheckpointManager(make_config(OVERLAPPED),
+                           {"model": model, "optimizer": opt, "batcher": batcher}) as m:
+        train_step(model, opt, batcher)
+        for step in range(1, 7):
+            expected[step] = _live(model, opt)
+            handle = m.save_nowait(step)
+            train_step(model, opt, batcher)  # forward changes `calls` before step() waits
+            assert handle.result_obj.stall_s >= 0
+        m.wait()
+        assert m._guard is not None and m._guard.pointers()  # tensors really were deferred
+        for step in range(1, 7):
+            assert m.restore_sync(step) == step
+            assert state_equal(_live(model, opt), expected[step]), step
+        assert [r.status for r in m.history] == ["committed"] * 6
+
+
+def test_step_waits_for_the_copy_and_the_wait_is_reported(
+        make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, copied = _gated_copy(monkeypatch)
+    model, opt, batcher = make_state()
+    train_step(model, opt, batcher)
+    before = _live(model, opt)
+    with CheckpointManager(make_config(OVERLAPPED), {"model": model, "optimizer": opt}) as m:
+        handle = m.save_nowait(1)  # returns although the copy has not started
+        assert not copied
+        threading.Timer(0.3, gate.set).start()
+        t0 = time.perf_counter()
+        train_step(model, opt, batcher)  # step() blocks until the gate opens and the copy ends
+        assert time.perf_counter() - t0 >= 0.25
+        res = handle.result()
+        assert res.status == "committed" and res.step_wait_s >= 0.2
+        params = sum(p.numel() * 4 for p in model.parameters())
+        assert copied and copied[0] >= 3 * params  # weights + exp_avg + exp_avg_sq
+        after = _live(model, opt)
+        assert not state_equal(after, before)
+        m.restore_sync(1)
+        assert state_equal(_live(model, opt), before)
+
+
+def test_change_outside_step_fails_the_save_and_keeps_the_last(
+        make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, batcher = make_state()
+    train_step(model, opt, batcher)
+    with CheckpointManager(make_config(OVERLAPPED), {"model": model, "optimizer": opt}) as m:
+        m.save_nowait(1).result()
+        committed = _live(model, opt)
+        gate, _ = _gated_copy(monkeypatch)
+        handle = m.save_nowait(2)
+        with torch.no_grad():
+            model.emb.weight.add_(1.0)  # not through optimizer.step(): nothing waits for it
+        gate.set()
+        with pytest.raises(SaveFailed) as info:
+            m.wait()
+        assert isinstance(info.value.__cause__, SnapshotTorn)
+        assert "emb.weight" in str(info.value)
+        assert handle.result_obj.status == "failed"
+        assert m.latest_step() == 1 and m.all_steps() == [1]
+        m.restore_sync("latest")
+        assert state_equal(_live(model, opt), committed)
+        monkeypatch.undo()
+        m.save_nowait(3).result()  # the manager goes on
+        assert m.all_steps() == [1, 3]
+
+
+def test_blocking_mode_hooks_nothing(make_config: Callable[..., Config],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    monkeypatch.setattr(overlap.OverlapCopy, "__init__",
+                        lambda *a, **k: made.append(1))  # would break a save if used
+    model, opt, _batcher = make_state()
+    with CheckpointManager(make_config(), {"model": model, "optimizer": opt}) as m:
+        m.save_nowait(1).result()
+        assert m._guard is None and not opt._optimizer_step_pre_hooks
+    assert not made
+
+
+def test_close_removes_the_hooks(make_config: Callable[..., Config]) -> None:
+    model, opt, _batcher = make_state()
+    m = CheckpointManager(make_config(OVERLAPPED), {"model": model, "optimizer": opt})
+    m.save_nowait(1)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    m.close()
+    assert not opt._optimizer_step_pre_hooks
+    assert m.history[-1].status == "committed"
+
+
+def test_without_an_optimizer_everything_is_copied_at_save(
+        make_config: Callable[..., Config], caplog: pytest.LogCaptureFixture) -> None:
+    model = TinyNet()
+    with CheckpointManager(make_config(OVERLAPPED), {"model": model}) as m:
+        m.save_nowait(1)
+        assert m._overlap is None and m._guard is not None and not m._guard.pointers()
+        m.wait()
+    assert "no optimizer in the state" in caplog.text
+
+
+def test_stager_defers_exactly_the_named_sources() -> None:
+    area = StagingArea(pin_memory=False, copy_threads=1)
+    a, b = torch.randn(1000), torch.randn(10)
+    b.add_(1)
+    snap = area.snapshot({"a": a, "b": b}, frozenset({b.data_ptr()}))
+    assert torch.equal(snap.tensors["a"], a) and not torch.equal(snap.tensors["b"], b)
+    assert snap.deferred == [(b.data_ptr(), snap.tensors["b"].data_ptr(), 40)]
+    assert [(n, t is b, v) for n, t, v in snap.watch] == [("b", True, b._version)]
+    copy = overlap.OverlapCopy(snap.deferred, snap.watch, 1)
+    copy.future.result(10)
+    assert torch.equal(snap.tensors["b"], b)
+
+
+def test_torn_copy_names_tensors() -> None:
+    area = StagingArea(pin_memory=False, copy_threads=1)
+    tensors = {f"t{i}": torch.zeros(8) for i in range(7)}
+    snap = area.snapshot(tensors, frozenset(t.data_ptr() for t in tensors.values()))
+    for t in tensors.values():
+        t.add_(1)
+    copy = overlap.OverlapCopy(snap.deferred, snap.watch, 1)
+    with pytest.raises(SnapshotTorn, match=r"7 tensor\(s\) changed.*t0, t1, t2, t3, t4 and 2 more"):
+        copy.future.result(10)
