@@ -6,12 +6,17 @@ calls the system on its own shards; the two systems alternate save by save so ma
 both alike. Per save the slowest rank counts (a collective job waits for it); the table gives
 medians over ``--saves`` saves after one warm-up save each.
 
-* stall: how long the call blocks the training loop (ours: ``save_nowait``, DCP: ``async_save``
-  including ``get_state_dict`` for both).
+Each save is followed by one training step (gradients, ``optimizer.step()``) before the loop
+waits for the save to be durable, the same for both systems.
+
+* stall: how long checkpointing blocks the training loop: the call (ours: ``save_nowait``, DCP:
+  ``async_save`` including ``get_state_dict``) plus, with ``--snapshot overlapped``, the time the
+  following ``optimizer.step()`` waited for our background copy (``SaveResult.step_wait_s``).
 * e2e: from the call until the checkpoint is durable (ours: manifest + aliases committed on rank 0
-  after every rank reported; DCP: ``future.result()``, metadata written).
+  after every rank reported; DCP: ``future.result()``, metadata written), the step included.
 
     python benchmarks/bench_dist.py [--world 2] [--mparams 8] [--saves 5] [--level -3]
+                                    [--snapshot overlapped]
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: s
     cfg = parse_config(f'[checkpointing]\nruns_path = "{tmp}/runs"\nrun_id = "bench"\n'
                        f"ckpting_save_iter = 1\n[checkpointing.compression]\n"
                        f"level = {args.level}\nthreads = {args.threads}\n"
-                       f"enabled = {str(not args.raw).lower()}\n")
+                       f"enabled = {str(not args.raw).lower()}\n"
+                       f'[checkpointing.pipeline]\nsnapshot = "{args.snapshot}"\n')
     manager = CheckpointManager(cfg, {"model": ShardedModel(model),
                                       "optimizer": ShardedOptimizer(model, opt)},
                                 sharded_model=True, coordinator=DistCoordinator(timeout_s=300))
@@ -93,6 +99,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: s
         msd, osd = get_state_dict(model, opt)
         fut: Any = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/dcp/{i}")
         t1 = time.perf_counter()
+        train_step(model, opt)
         fut.result()
         t2 = time.perf_counter()
         times["dcp"].append((t1 - t0, t2 - t0))
@@ -100,9 +107,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: s
         t0 = time.perf_counter()
         handle = manager.save_nowait(i + 1)
         t1 = time.perf_counter()
+        train_step(model, opt)  # an overlapped copy still running makes its step() wait
         res = handle.result()
         t2 = time.perf_counter()
-        times["ours"].append((t1 - t0, t2 - t0))
+        times["ours"].append((t1 - t0 + res.step_wait_s, t2 - t0))
         dist.barrier()
         if i and rank == 0:  # keep the disk footprint small; warm-up files stay for sizing
             shutil.rmtree(f"{tmp}/dcp/{i}", ignore_errors=True)
@@ -126,7 +134,8 @@ def report(args: argparse.Namespace, world: int, gathered: list[Any], dcp_bytes:
     print(f"\n{world} ranks, {raw / 2**20:.0f} MiB of sharded fp32 state "
           f"({raw / world / 2**20:.0f} MiB per rank), "
           f"{'no compression' if args.raw else f'zstd level {args.level}'}, "
-          f"{args.threads} codec thread(s) per rank, median of {args.saves} saves, "
+          f"{args.threads} codec thread(s) per rank, {args.snapshot} snapshot, "
+          f"median of {args.saves} saves, "
           f"{os.cpu_count()} CPU cores")
     print(f"{'':10}{'stall ms':>10}{'e2e s':>9}{'written MiB':>13}")
     for name, system, size in (("DCP", "dcp", dcp_bytes), ("ours", "ours", ours_out)):
@@ -145,6 +154,7 @@ def main() -> None:
                     help="our zstd level (fp32 mantissas do not compress at any level)")
     ap.add_argument("--threads", type=int, default=2, help="our codec threads per rank")
     ap.add_argument("--raw", action="store_true", help="ours without compression")
+    ap.add_argument("--snapshot", choices=["blocking", "overlapped"], default="blocking")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,10 +1,12 @@
 """How long checkpointing blocks a real training loop: ours (blocking and overlapped snapshot)
 vs ``torch.distributed.checkpoint.async_save``, side by side in one process.
 
-A TinyLM (make_trajectory.py's pre-norm transformer) trains with AdamW on CPU; the state is the
-model plus the optimizer. Every round, each system saves once (the order rotates per round),
-then the loop runs one training step (forward, backward, ``optimizer.step()``) while the save
-finishes in the background, then waits for that save to be durable. Per save:
+A model trains with AdamW on CPU: a TinyLM (make_trajectory.py's pre-norm transformer), or with
+``--model minilm`` the real all-MiniLM-L6-v2 weights (minilm_model.py) on a masked-token loss;
+the state is the model plus the optimizer. Every round, each system saves once (the order
+rotates per round), then the loop runs one training step (forward, backward,
+``optimizer.step()``) while the save finishes in the background, then waits for that save to be
+durable. Per save:
 
 * call: how long the save call blocked (ours: ``save_nowait``; DCP: ``get_state_dict`` is not
   needed on one process, so ``async_save`` of ``model.state_dict()`` and ``opt.state_dict()``).
@@ -17,7 +19,8 @@ finishes in the background, then waits for that save to be durable. Per save:
 
 Medians over ``--saves`` rounds after one warm-up save per system.
 
-    python benchmarks/bench_train_loop.py [--d 256 --layers 4] [--dtype float32] [--saves 7]
+    python benchmarks/bench_train_loop.py [--model tinylm|minilm] [--d 256 --layers 4]
+                                          [--dtype float32|bfloat16] [--saves 7]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_trajectory import TinyLM, _markov_batches
+from minilm_model import load_minilm, masked_batch
 
 from mithril_async import CheckpointManager, parse_config
 
@@ -45,20 +49,32 @@ Row = dict[str, float]  # call, wait, step, e2e (seconds)
 class Loop:
     """A model, its AdamW and a batch source; ``step()`` is one real training step."""
 
-    def __init__(self, d: int, layers: int, dtype: torch.dtype, batch: int, ctx: int) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
-        self.model = TinyLM(d=d, layers=layers, heads=max(1, d // 64), ctx=ctx).to(dtype)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
-        self.data = _markov_batches(512, batch, ctx, 0)
+        dtype = getattr(torch, args.dtype)
+        self.minilm = args.model == "minilm"
+        self.batch, self.ctx = args.batch, args.ctx
+        self.model: torch.nn.Module = (
+            load_minilm(dtype) if self.minilm else
+            TinyLM(d=args.d, layers=args.layers, heads=max(1, args.d // 64),
+                   ctx=args.ctx).to(dtype))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
+        self.data = _markov_batches(512, args.batch, args.ctx, 0)
         self.i = 0
 
-    def step(self) -> float:
-        seq = self.data[self.i % len(self.data)]
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.i += 1
+        if self.minilm:
+            return masked_batch(self.batch, self.ctx, self.i)
+        seq = self.data[self.i % len(self.data)]
+        return seq[:, :-1], seq[:, 1:]
+
+    def step(self) -> float:
+        x, y = self._inputs()
         t0 = time.perf_counter()
-        logits = self.model(seq[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 512),
-                                                 seq[:, 1:].reshape(-1))
+        logits = self.model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -109,6 +125,7 @@ def dcp_async(loop: Loop, root: Path) -> System:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["tinylm", "minilm"], default="tinylm")
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
@@ -118,7 +135,7 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="ours without compression")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    loop = Loop(args.d, args.layers, getattr(torch, args.dtype), args.batch, args.ctx)
+    loop = Loop(args)
     for _ in range(3):
         loop.step()
     plain = statistics.median(loop.step() for _ in range(9))
@@ -142,7 +159,8 @@ def main() -> None:
                                  for r in rows[name])
 
     nparams = sum(p.numel() for p in loop.model.parameters())
-    print(f"\nTinyLM d={args.d} layers={args.layers} {args.dtype}: {nparams / 1e6:.1f} M params, "
+    what = "all-MiniLM-L6-v2" if loop.minilm else f"TinyLM d={args.d} layers={args.layers}"
+    print(f"\n{what} {args.dtype}: {nparams / 1e6:.1f} M params, "
           f"state (model + AdamW) {loop.nbytes() / 1e6:.1f} MB; "
           f"{'no compression' if args.raw else 'zstd'}; median of {args.saves} saves; "
           f"training step without a save: {plain * 1e3:.1f} ms")

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(res: SaveResult) -> None:
         rows.append(res)
-        print(f"{res.step:>6} {losses[res.step]:>8.4f} {res.stall_s * 1e3:>9.1f} "
+        print(f"{res.step:>6} {losses[res.step]:>8.4f} "
+              f"{(res.stall_s + res.step_wait_s) * 1e3:>9.1f} "
               f"{res.total_s:>8.3f} {res.bytes_in / 1e6:>8.2f} {res.bytes_out / 1e6:>8.2f} "
               f"{res.ratio:>6.2f}", flush=True)
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - t0
     print(f"trained {args.steps} steps in {train_s:.1f} s; kept versions at steps {kept}")
     if rows:
-        stall = sum(r.stall_s for r in rows) / len(rows)
+        stall = sum(r.stall_s + r.step_wait_s for r in rows) / len(rows)
         print(f"mean stall {stall * 1e3:.1f} ms per save; mean ratio "
               f"{sum(r.ratio for r in rows) / len(rows):.2f}x")
 
