@@ -70,6 +70,12 @@ class PipelineConfig(_Strict):
     #: background thread while the loop computes; the next ``step()`` waits for that copy
     #: (pipeline/overlap.py). Any other in-place change meanwhile fails the save (SnapshotTorn).
     snapshot: Literal["blocking", "overlapped"] = "blocking"
+    #: added to the nice value of the background threads (event loop, codec, file writes; not
+    #: the overlapped copy, which a step may wait on): when training and checkpoint both want
+    #: the cores, training gets them, and a save takes longer. Pays when saves are rare next
+    #: to their cost; with saves close together the next save() waits for the slower one.
+    #: 0 (default) keeps the priority of the training process.
+    background_nice: int = Field(0, ge=0, le=19)
     #: temp files / multipart uploads older than this are a killed writer's, removed at start
     #: (younger ones may belong to another live writer of the same run and are left alone)
     orphan_age_s: float = Field(600.0, ge=0)

@@ -62,7 +62,7 @@ from mithril_async.manifest import (
 from mithril_async.pipeline.bases import BaseLoader
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
-from mithril_async.pipeline.loop import BackgroundLoop, all_or_first_error
+from mithril_async.pipeline.loop import BackgroundLoop, all_or_first_error, lower_priority
 from mithril_async.pipeline.lossy import (
     LossyTrack,
     Roles,
@@ -165,7 +165,9 @@ class CheckpointManager:
         self.on_save = on_save
         self.history: list[SaveResult] = []
         threads = self.cfg.compression.threads or max(1, os.cpu_count() or 1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, "mithril-codec")
+        nice = self.cfg.pipeline.background_nice
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, "mithril-codec", initializer=lower_priority, initargs=(nice,))
         self._codec = BlobCodec(self.cfg.compression, self.cfg.pipeline, self._pool)
         comp = self.cfg.compression
         self.chain_policy = ChainPolicy(
@@ -199,7 +201,7 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self._loop is None:
-            self._loop = BackgroundLoop()
+            self._loop = BackgroundLoop(nice=self.cfg.pipeline.background_nice)
             self._loop.run(self._start())
         return self._loop
 

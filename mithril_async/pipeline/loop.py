@@ -3,17 +3,47 @@ background checkpointing without running asyncio themselves.
 
 uvloop is used when it is installed. Coroutines are submitted with :meth:`BackgroundLoop.submit`
 (returns a ``concurrent.futures.Future``) or run to completion with :meth:`BackgroundLoop.run`.
+
+The loop thread can run at a lower CPU priority (``nice``): on Linux a thread's nice value is
+its own and is inherited by the threads it starts, so the executors' workers that the loop
+spawns (file writes, codec work submitted from it) run at the same priority. Training threads
+then keep the cores when both want them; idle cores still go to the checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("mithril_async")
+
+
+def lower_priority(nice: int) -> bool:
+    """Run the calling thread at the process's main-thread nice value + ``nice`` (capped at
+    19); whether it took. Idempotent, so a worker that inherited the value from a thread that
+    called this already is not lowered twice.
+
+    Only lowers priority, which needs no privilege. Where per-thread priorities do not exist
+    (not Linux) the thread is left as it is and the reason is logged at debug level.
+    """
+    if nice <= 0:
+        return False
+    try:
+        tid = threading.get_native_id()
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+    except (AttributeError, OSError) as err:  # pragma: no cover - Linux has both
+        log.debug("could not lower the priority of thread %s: %r",
+                  threading.current_thread().name, err)
+        return False
+    return True
 
 
 async def all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
@@ -54,8 +84,9 @@ def new_event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
 class BackgroundLoop:
     """An event loop running forever on its own daemon thread until :meth:`close`."""
 
-    def __init__(self, name: str = "mithril-loop") -> None:
+    def __init__(self, name: str = "mithril-loop", nice: int = 0) -> None:
         self.loop, self.kind = new_event_loop()
+        self.nice = nice
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         #: futures of submitted coroutines still running (cancelled by :meth:`close`)
         self._submitted: set[concurrent.futures.Future[Any]] = set()
@@ -64,6 +95,7 @@ class BackgroundLoop:
         self._started.wait()
 
     def _run(self) -> None:
+        lower_priority(self.nice)
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()

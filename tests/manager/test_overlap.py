@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 
 from mithril_async import CheckpointManager, Config, SaveFailed, SnapshotTorn
 from mithril_async.pipeline import overlap
+from mithril_async.pipeline.loop import lower_priority
 from mithril_async.pipeline.stager import StagingArea
 
 from .conftest import Batcher, TinyNet, make_state, state_equal, train_step
@@ -178,3 +180,35 @@ def test_torn_copy_names_tensors() -> None:
     copy = overlap.OverlapCopy(snap.deferred, snap.watch, 1)
     with pytest.raises(SnapshotTorn, match=r"7 tensor\(s\) changed.*t0, t1, t2, t3, t4 and 2 more"):
         copy.future.result(10)
+
+
+def _nice_of(thread: threading.Thread) -> int:
+    assert thread.native_id is not None
+    return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_background_threads_run_at_lower_priority(make_config: Callable[..., Config],
+                                                  nice: int) -> None:
+    """The loop, codec and writer threads give way to training; the training thread and the
+    overlapped copy (which a step may wait on) keep their priority."""
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    me = threading.current_thread()
+    model, opt, batcher = make_state()
+    cfg = make_config(OVERLAPPED + f"background_nice = {nice}\n"
+                      "[checkpointing.compression]\nthreads = 2\n")
+    with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
+        m.save_nowait(1)
+        train_step(model, opt, batcher)
+        m.wait()
+        want = min(19, base + nice)
+        assert _nice_of(m.loop.thread) == want
+        workers = [t for t in threading.enumerate()
+                   if t.name.startswith(("mithril-codec", "asyncio_", "uvloop_"))]
+        assert {t.name.split("_")[0] for t in workers} >= {"mithril-codec", m.loop.kind}
+        assert all(_nice_of(t) == want for t in workers), [(t.name, _nice_of(t))
+                                                            for t in workers]
+        copier = [t for t in threading.enumerate() if t.name.startswith("mithril-overlap")]
+        assert copier and all(_nice_of(t) == base for t in copier)
+        assert _nice_of(me) == base
+    assert lower_priority(0) is False
