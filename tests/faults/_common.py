@@ -89,16 +89,23 @@ def make_config(runs: Path, run_id: str = "run1", **kw: Any) -> Config:
 
 
 def leftovers(run_root: Path) -> tuple[list[str], list[str]]:
-    """(version folders without a manifest, temp files) under one run folder."""
+    """(version folders without a manifest, temp files) under one run folder.
+
+    Safe to call while a cancelled save's cleanup is still deleting: a folder that vanishes
+    during the walk is no leftover (``os.walk`` skips it; ``rglob`` would raise)."""
     partial, tmps = [], []
     vdir = run_root / "versions"
     if vdir.is_dir():
         for v in sorted(vdir.iterdir()):
             # an empty folder (killed between mkdir and the claim) holds no data: every
             # reader ignores it and the next claim of that number reuses it
-            if v.is_dir() and not (v / "manifest.json").exists() and any(v.iterdir()):
-                partial.append(v.name)
-    for p in run_root.rglob(".tmp-*"):
-        if p.name != ".tmp-cas.lock":
-            tmps.append(str(p.relative_to(run_root)))
-    return partial, tmps
+            try:
+                if v.is_dir() and not (v / "manifest.json").exists() and any(v.iterdir()):
+                    partial.append(v.name)
+            except FileNotFoundError:
+                continue
+    for top, dirs, files in os.walk(run_root):
+        for name in dirs + files:
+            if name.startswith(".tmp-") and name != ".tmp-cas.lock":
+                tmps.append(str((Path(top) / name).relative_to(run_root)))
+    return partial, sorted(tmps)
