@@ -406,12 +406,20 @@ class CheckpointManager:
     def _start_overlap(self, snaps: Mapping[str, Snapshot | dict[str, Any]]
                        ) -> OverlapCopy | None:
         """Start the background copy of every item's deferred tensors (one thread job)."""
-        staged = [s for s in snaps.values() if isinstance(s, Snapshot) and s.deferred]
-        if not staged:
+        if self._guard is None:
             return None
-        assert self._guard is not None
+        staged = [s for s in snaps.values() if isinstance(s, Snapshot)]
+        if not any(s.deferred or s.later_event is not None for s in staged):
+            return None
+        now = [s.event for s in staged if s.event is not None]
+        for s in staged:  # the device copies are awaited by the pipeline, not by save()
+            s.event = None
         copy = OverlapCopy([j for s in staged for j in s.deferred],
-                           [w for s in staged for w in s.watch], self._guard.copy_threads)
+                           [w for s in staged for w in s.watch], self._guard.copy_threads,
+                           events_now=now,
+                           events_later=[s.later_event for s in staged
+                                         if s.later_event is not None],
+                           device_watch=[w for s in staged for w in s.later_watch])
         self._guard.pending = copy
         return copy
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -43,30 +44,71 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     return _copier
 
 
+def order_after(event: Any) -> None:
+    """Make the current CUDA stream wait for ``event`` (on the device: no CPU wait)."""
+    torch.cuda.current_stream().wait_event(event)
+
+
+def _torn(watch: list[tuple[str, torch.Tensor, int]]) -> list[str]:
+    return [name for name, src, version in watch if src._version != version]
+
+
+def _torn_error(changed: list[str]) -> SnapshotTorn:
+    shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
+                                       if len(changed) > 5 else "")
+    return SnapshotTorn(
+        f"{len(changed)} tensor(s) changed in place while their overlapped snapshot "
+        f"was being copied: {shown}; with snapshot = \"overlapped\" only a hooked "
+        "optimizer.step() may change the state between save() and the copy's end "
+        "(use snapshot = \"blocking\" otherwise)")
+
+
 class OverlapCopy:
-    """The deferred byte copies of one save, run on a background thread, then checked."""
+    """The deferred copies of one save, and what tells whether they are complete and untorn.
+
+    CPU: byte copies run on a background thread, then the sources' version counters are
+    compared. CUDA: the copies were queued on the stager's side stream; ``events_now`` follow
+    the copies of everything else (the current stream is ordered after them at once: later
+    kernels such as a forward that updates batch-norm statistics run after those copies),
+    ``events_later`` the optimizer-owned ones (the current stream is ordered after them in
+    :meth:`before_step`). Their version counters are compared once, at the first of
+    :meth:`before_step`, :meth:`wait_blocking` and the pipeline seeing the events complete:
+    an in-place change queued before then may have raced the side stream.
+    """
 
     def __init__(self, jobs: list[Job], watch: list[tuple[str, torch.Tensor, int]],
-                 threads: int) -> None:
+                 threads: int, *, events_now: list[Any] | None = None,
+                 events_later: list[Any] | None = None,
+                 device_watch: list[tuple[str, torch.Tensor, int]] | None = None) -> None:
         self.jobs, self.watch, self.threads = jobs, watch, threads
+        self.events_now = list(events_now or [])
+        self.events_later = list(events_later or [])
+        self.device_watch = list(device_watch or [])
         self.nbytes = sum(n for _, _, n in jobs)
         self.result: SaveResult | None = None  # gets the step() waits, once submitted
-        self.future: concurrent.futures.Future[None] = _executor().submit(self._run)
+        self._lock = threading.Lock()
+        self._device_torn: list[str] | None = None  # None: not checked yet
+        for ev in self.events_now:
+            order_after(ev)
+        if jobs:
+            self.future: concurrent.futures.Future[None] = _executor().submit(self._run)
+        else:
+            self.future = concurrent.futures.Future()
+            self.future.set_result(None)
 
     def _run(self) -> None:
         copy_jobs(self.jobs, self.threads)
-        changed = [name for name, src, version in self.watch if src._version != version]
+        changed = _torn(self.watch)
         if changed:
-            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
-                                               if len(changed) > 5 else "")
-            raise SnapshotTorn(
-                f"{len(changed)} tensor(s) changed in place while their overlapped snapshot "
-                f"was being copied: {shown}; with snapshot = \"overlapped\" only a hooked "
-                "optimizer.step() may change the state between save() and the copy's end "
-                "(use snapshot = \"blocking\" otherwise)")
+            raise _torn_error(changed)
 
-    def wait_blocking(self) -> float:
-        """Block until the copy has finished (its error is the save's to report); seconds."""
+    def _check_device(self) -> list[str]:
+        with self._lock:
+            if self._device_torn is None:
+                self._device_torn = _torn(self.device_watch)
+            return self._device_torn
+
+    def _wait_cpu(self) -> float:
         if self.future.done():
             return 0.0
         t0 = time.perf_counter()
@@ -76,9 +118,34 @@ class OverlapCopy:
             self.result.step_wait_s += waited
         return waited
 
-    async def finished(self) -> None:
-        """Await the copy from the pipeline; raises :class:`SnapshotTorn` if it is torn."""
+    def before_step(self) -> float:
+        """Before ``optimizer.step()``: wait for the CPU copy (its error is the save's to
+        report); order the step's stream after the device copies. Seconds waited."""
+        waited = self._wait_cpu()
+        if self.events_later:
+            self._check_device()
+            for ev in self.events_later:
+                order_after(ev)
+        return waited
+
+    def wait_blocking(self) -> float:
+        """Block until every copy has finished (restore, next snapshot, close); seconds."""
+        waited = self._wait_cpu()
+        if self.events_now or self.events_later:
+            self._check_device()
+            for ev in self.events_now + self.events_later:
+                ev.synchronize()
+        return waited
+
+    async def finished(self, poll_s: float = 0.0002) -> None:
+        """Await every copy from the pipeline; raises :class:`SnapshotTorn` if one is torn."""
         await asyncio.wrap_future(self.future)
+        for ev in self.events_now + self.events_later:
+            while not ev.query():
+                await asyncio.sleep(poll_s)
+        changed = self._check_device()
+        if changed:
+            raise _torn_error(changed)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -116,20 +183,24 @@ class StepGuard:
                          for opt in self.optimizers]
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self.wait()
+        pending, self.pending = self.pending, None  # once ordered, later steps follow it
+        if pending is not None:
+            pending.before_step()
 
     def pointers(self) -> frozenset[int]:
-        """Addresses of every CPU tensor only ``step()`` changes (parameters, their state)."""
+        """Addresses of every tensor only ``step()`` changes (parameters, their state), CPU
+        and CUDA alike (a device address never equals a host one)."""
         ptrs = set()
         for opt in self.optimizers:
             for t in _owned_tensors(opt):
                 local = _local(t)
-                if local.is_cpu and local.numel():
+                if local.numel():
                     ptrs.add(local.data_ptr())
         return frozenset(ptrs)
 
     def wait(self) -> None:
-        """Let the pending copy finish (called before a step, a restore, the next snapshot)."""
+        """Block until the pending copy has finished (before a restore, the next snapshot,
+        close: they touch the live tensors or the staging buffers from the CPU)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.wait_blocking()

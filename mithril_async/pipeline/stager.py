@@ -14,7 +14,9 @@ awaits the event, never a device-wide synchronize, so other streams keep running
 
 With ``defer`` (``snapshot = "overlapped"``, :mod:`~mithril_async.pipeline.overlap`), the byte
 copies of the named CPU tensors are not run here but returned as jobs, together with each
-source's version counter, for a background copy that overlaps the next forward/backward.
+source's version counter, for a background copy that overlaps the next forward/backward. Named
+CUDA tensors are copied on the side stream after the others, behind an event of their own
+(``later_event``), which the optimizer's stream waits for before it steps.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ class Snapshot:
     deferred: list[Job] = field(default_factory=list)
     #: (name, source, its ``_version`` at snapshot time) for every deferred copy
     watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    #: torch.cuda.Event after the deferred device copies (``defer``), with their sources
+    later_event: Any = None
+    later_watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -179,6 +184,8 @@ class StagingArea:
         for name in stale:
             del self._buffers[name]
         cuda_items: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda_later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later_watch: list[tuple[str, torch.Tensor, int]] = []
         jobs: list[Job] = []  # byte copies, run by native code at the end
         deferred: list[Job] = []
         watch: list[tuple[str, torch.Tensor, int]] = []
@@ -200,16 +207,21 @@ class StagingArea:
                     buf.copy_(src)
             else:
                 devices.add(src.device.type)
-                if src.device.type == "cuda":
+                if src.device.type == "cuda" and type(src) in _PLAIN_TYPES \
+                        and src.numel() and src.data_ptr() in defer:
+                    cuda_later.append((buf, src))
+                    later_watch.append((name, src, src._version))
+                elif src.device.type == "cuda":
                     cuda_items.append((buf, src))
                 else:
                     buf.copy_(src)
             out[name] = buf
         copy_jobs(jobs, self.copy_threads)
         event = self._copy_from_cuda(cuda_items) if cuda_items else None
+        later = self._copy_from_cuda(cuda_later) if cuda_later else None
         nbytes = sum(b.numel() * b.element_size() for b in out.values())
         return Snapshot(out, event, nbytes, time.perf_counter() - t0, reused, devices,
-                        deferred, watch)
+                        deferred, watch, later, later_watch)
 
     def _copy_from_cuda(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Queue D2H copies on a side stream after the producer's work; return their event."""

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import threading
@@ -212,3 +213,68 @@ def test_background_threads_run_at_lower_priority(make_config: Callable[..., Con
         assert copier and all(_nice_of(t) == base for t in copier)
         assert _nice_of(me) == base
     assert lower_priority(0) is False
+
+
+class FakeEvent:
+    """A CUDA event stand-in: complete after ``polls`` queries or a synchronize()."""
+
+    def __init__(self, polls: int = 3) -> None:
+        self.left = polls
+        self.synchronized = False
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        self.synchronized, self.left = True, -1
+
+
+def _record_ordering(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replace 'current stream waits for event' by a record of the events it was given."""
+    ordered: list[Any] = []
+    monkeypatch.setattr(overlap, "order_after", ordered.append)
+    return ordered
+
+
+def test_device_copies_are_ordered_not_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other tensors' copies order the stream at once, the optimizer-owned ones only
+    before step(); the pipeline polls both; nothing blocks the CPU until a restore asks."""
+    ordered = _record_ordering(monkeypatch)
+    now, later = FakeEvent(), FakeEvent()
+    src = torch.zeros(4)
+    copy = overlap.OverlapCopy([], [], 1, events_now=[now], events_later=[later],
+                               device_watch=[("p", src, src._version)])
+    assert ordered == [now] and copy.future.done()
+    assert copy.before_step() == 0.0
+    assert ordered == [now, later] and not now.synchronized and not later.synchronized
+    src.add_(1)  # the step itself, after the hook: not a tear
+    asyncio.run(copy.finished(poll_s=0))
+    assert now.left < 0 and later.left < 0
+    copy.wait_blocking()
+    assert now.synchronized and later.synchronized
+
+
+def test_device_source_changed_before_the_step_is_torn(monkeypatch: pytest.MonkeyPatch) -> None:
+    _record_ordering(monkeypatch)
+    src, other = torch.zeros(4), torch.zeros(2)
+    copy = overlap.OverlapCopy([], [], 1, events_later=[FakeEvent()],
+                               device_watch=[("p", src, src._version),
+                                             ("q", other, other._version)])
+    src.mul_(2)  # queued before step(): may race the side stream's copy
+    copy.before_step()
+    with pytest.raises(SnapshotTorn, match=r"1 tensor\(s\) changed.*: p;"):
+        asyncio.run(copy.finished(poll_s=0))
+
+
+def test_step_hook_orders_device_copies_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    ordered = _record_ordering(monkeypatch)
+    model, opt, batcher = make_state()
+    guard = overlap.StepGuard([opt])
+    later = FakeEvent()
+    guard.pending = overlap.OverlapCopy([], [], 1, events_later=[later])
+    train_step(model, opt, batcher)
+    train_step(model, opt, batcher)
+    assert ordered == [later] and guard.pending is None
+    guard.remove()
+    assert not opt._optimizer_step_pre_hooks
