@@ -24,6 +24,22 @@ class TinyNet(torch.nn.Module):
         return self.mlp(self.norm(self.emb(x)))
 
 
+class FakeEvent:
+    """A torch.cuda.Event stand-in: completes after ``polls`` queries or a synchronize(),
+    like an event behind queued device-to-host copies."""
+
+    def __init__(self, polls: int = 3) -> None:
+        self.left = polls
+        self.synchronized = False
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        self.synchronized, self.left = True, -1
+
+
 class Batcher:
     """A resumable data source (seed 002 get_state/set_state) driven by its own RNG."""
 

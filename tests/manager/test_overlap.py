@@ -20,7 +20,7 @@ from mithril_async.pipeline import overlap
 from mithril_async.pipeline.loop import lower_priority
 from mithril_async.pipeline.stager import StagingArea
 
-from .conftest import Batcher, TinyNet, make_state, state_equal, train_step
+from .conftest import Batcher, FakeEvent, TinyNet, make_state, state_equal, train_step
 
 OVERLAPPED = '[checkpointing.pipeline]\nsnapshot = "overlapped"\n'
 
@@ -213,21 +213,6 @@ def test_background_threads_run_at_lower_priority(make_config: Callable[..., Con
         assert copier and all(_nice_of(t) == base for t in copier)
         assert _nice_of(me) == base
     assert lower_priority(0) is False
-
-
-class FakeEvent:
-    """A CUDA event stand-in: complete after ``polls`` queries or a synchronize()."""
-
-    def __init__(self, polls: int = 3) -> None:
-        self.left = polls
-        self.synchronized = False
-
-    def query(self) -> bool:
-        self.left -= 1
-        return self.left < 0
-
-    def synchronize(self) -> None:
-        self.synchronized, self.left = True, -1
 
 
 def _record_ordering(monkeypatch: pytest.MonkeyPatch) -> list[Any]:

@@ -11,21 +11,7 @@ from hypothesis import strategies as st
 
 from mithril_async.pipeline.stager import Snapshot, StagingArea
 
-
-class FakeEvent:
-    """Completes after ``polls`` queries, like a cudaEvent behind queued D2H copies."""
-
-    def __init__(self, polls: int) -> None:
-        self.left = polls
-        self.synchronized = False
-
-    def query(self) -> bool:
-        self.left -= 1
-        return self.left < 0
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-        self.left = -1
+from .conftest import FakeEvent
 
 
 def test_snapshot_copies_and_reuses_buffers() -> None:
