@@ -84,7 +84,6 @@ class OverlapCopy:
         self.events_now = list(events_now or [])
         self.events_later = list(events_later or [])
         self.device_watch = list(device_watch or [])
-        self.nbytes = sum(n for _, _, n in jobs)
         self.result: SaveResult | None = None  # gets the step() waits, once submitted
         self._lock = threading.Lock()
         self._device_torn: list[str] | None = None  # None: not checked yet
