@@ -31,7 +31,7 @@ import torch
 
 from mithril_async.errors import SnapshotTorn
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.pipeline.stager import Job, copy_jobs, default_copy_threads
+from mithril_async.pipeline.stager import Job, await_event, copy_jobs, default_copy_threads
 
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -140,8 +140,7 @@ class OverlapCopy:
         """Await every copy from the pipeline; raises :class:`SnapshotTorn` if one is torn."""
         await asyncio.wrap_future(self.future)
         for ev in self.events_now + self.events_later:
-            while not ev.query():
-                await asyncio.sleep(poll_s)
+            await await_event(ev, poll_s)
         changed = self._check_device()
         if changed:
             raise _torn_error(changed)

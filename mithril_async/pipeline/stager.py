@@ -135,8 +135,14 @@ class Snapshot:
 
     async def wait(self, poll_s: float = 0.0002) -> None:
         """Yield to the event loop until the device copies completed."""
-        while not self.ready():
-            await asyncio.sleep(poll_s)
+        if self.event is not None:
+            await await_event(self.event, poll_s)
+
+
+async def await_event(event: Any, poll_s: float = 0.0002) -> None:
+    """Yield to the event loop until a (CUDA) event has completed; never blocks the loop."""
+    while not event.query():
+        await asyncio.sleep(poll_s)
 
 
 class StagingArea:
@@ -174,7 +180,8 @@ class StagingArea:
         """Copy ``tensors`` into the reused buffers; device copies are asynchronous.
 
         Plain CPU tensors whose ``data_ptr()`` is in ``defer`` are not copied: their jobs and
-        version counters come back in ``Snapshot.deferred`` / ``Snapshot.watch``.
+        version counters come back in ``Snapshot.deferred`` / ``Snapshot.watch``. Plain CUDA
+        ones are copied after the others, behind ``Snapshot.later_event`` (``later_watch``).
         """
         t0 = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
