@@ -18,6 +18,7 @@ size_t mr2_encode_bound(size_t n);
 size_t mr2_encode_cap(size_t n, size_t limit);
 int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
-/* SIMD level for the decoders: 0 scalar, 1 AVX2; <0 or above what the CPU has: the best. */
+/* SIMD level: 0 scalar, 1 AVX2, 2 AVX-512 (the v2 encoder; decoders use AVX2 there);
+ * <0 or above what the CPU has: the best. */
 int mr_set_level(int level);
 #endif

@@ -55,7 +55,8 @@ _NATIVE_SAMPLE = NATIVE and hasattr(_lib, "mr_sample_entropy")
 
 
 def set_level(level: int) -> int:
-    """Cap the native decoders' SIMD level (0 scalar, 1 AVX2; -1 the best the CPU has).
+    """Cap the native coders' SIMD level (0 scalar, 1 AVX2, 2 AVX-512 for the v2 encoder;
+    -1 the best the CPU has).
 
     Returns the level in effect; for tests and benchmarks.  Without v2 support: 0.
     """
