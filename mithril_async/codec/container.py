@@ -5,6 +5,7 @@ Layout (exact bytes in ``docs/FORMAT.md``)::
     preamble  "MCKP" u32 version u32 flags u32 header_length          16 bytes
     header    zstd(JSON): tensors, chunk spans, params, step, ...     header_length bytes
     blocks    block header ("MBLK" ..., plane table, xxh64) + payload   any order
+              (chunk raw/payload hashes: XXH3-64 in version 2, XXH64 in version 1)
     index     one 24-byte entry per block: tensor, chunk, offset, length
     trailer   offsets/lengths, hashes of header/index/trailer, total size, "MCKE",
               xxh64 of every preceding byte                           80 bytes
@@ -17,6 +18,7 @@ Every byte is covered by a hash a ranged reader can check without reading the re
 header, index, trailer, each block header, each payload, each decoded chunk), and the whole
 blob has an xxh64 for whole-file verification.  Readers validate every size and offset
 before using it (never allocate from an unvalidated size) and refuse unknown versions.
+Writers write version 2; readers read 1 and 2 (they differ only in the chunk hash function).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import xxhash
 import zstandard
 
 from mithril_async.codec.chunk import (
+    CHUNK_HASH_VERSION,
     DELTA_BIT,
     ChunkMeta,
     CodecParams,
     EncodedChunk,
     Transform,
+    chunk_hasher,
     chunk_spans,
 )
 from mithril_async.codec.dtypes import dtype_info
@@ -46,6 +50,7 @@ __all__ = [
     "FLAG_DELTA",
     "FLAG_QUANTIZATION",
     "MAGIC",
+    "READ_VERSIONS",
     "VERSION",
     "AsyncMckpRangeReader",
     "BlockRef",
@@ -60,7 +65,10 @@ __all__ = [
 MAGIC = b"MCKP"
 END_MAGIC = b"MCKE"
 BLOCK_MAGIC = b"MBLK"
-VERSION = 1
+#: The version writers write; readers accept every version in READ_VERSIONS.
+VERSION = 2
+READ_VERSIONS = (1, 2)
+assert VERSION == CHUNK_HASH_VERSION  # the blocks a writer takes carry this version's hashes
 FLAG_DELTA = 1 << 0
 FLAG_BYTE_GROUPING = 1 << 1
 FLAG_QUANTIZATION = 1 << 2
@@ -273,6 +281,9 @@ class MckpWriter:
                              f"says {t.chunks[chunk_index][1]}")
         if m.is_delta != (t.base_xxh64 is not None):
             raise ValueError(f"{t.name!r}: chunk delta-ness disagrees with the tensor entry")
+        if m.hash_version != VERSION:
+            raise ValueError(f"{t.name!r}: chunk {chunk_index} carries MCKP version "
+                             f"{m.hash_version} hashes, this writer writes version {VERSION}")
         if [len(memoryview(x).cast("B")) for x in encoded.parts] != [n for _, n in m.planes]:
             raise ValueError(f"{t.name!r}: payload length disagrees with its plane table")
         self._seen.add(key)
@@ -326,6 +337,11 @@ class _Trailer:
     header_xxh64: int
     index_xxh64: int
     total_size: int
+    version: int
+
+
+def _known() -> str:
+    return ", ".join(str(v) for v in READ_VERSIONS)
 
 
 def _parse_trailer(tail: bytes | memoryview, total_size: int) -> _Trailer:
@@ -341,15 +357,15 @@ def _parse_trailer(tail: bytes | memoryview, total_size: int) -> _Trailer:
     got = xxhash.xxh64_intdigest(tb[:-HASH.size])
     if got != txxh:
         raise ChecksumMismatch("trailer", txxh, got)
-    if version != VERSION:
+    if version not in READ_VERSIONS:
         raise UnknownFormatVersion(f"trailer: MCKP version {version} (this reader knows "
-                                   f"{VERSION})")
+                                   f"{_known()})")
     if total != total_size:
         raise InvalidFormat(f"trailer: blob declares {total} bytes but has {total_size}")
     if (ilen != icount * INDEX_ENTRY.size or ioff + ilen + TRAILER_SIZE != total
             or PREAMBLE.size + hlen > ioff):
         raise InvalidFormat("trailer: inconsistent header/index offsets")
-    return _Trailer(hlen, ioff, ilen, icount, hxxh, ixxh, total)
+    return _Trailer(hlen, ioff, ilen, icount, hxxh, ixxh, total, version)
 
 
 def _parse_head(head: bytes | memoryview, tr: _Trailer) -> tuple[int, int, dict[str, Any]]:
@@ -359,8 +375,10 @@ def _parse_head(head: bytes | memoryview, tr: _Trailer) -> tuple[int, int, dict[
     magic, version, flags, hlen = PREAMBLE.unpack(bytes(head[:PREAMBLE.size]))
     if magic != MAGIC:
         raise InvalidFormat(f"bad magic {bytes(magic)!r}: not an MCKP blob")
-    if version != VERSION:
-        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {VERSION})")
+    if version not in READ_VERSIONS:
+        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {_known()})")
+    if version != tr.version:
+        raise InvalidFormat(f"preamble says MCKP version {version}, trailer {tr.version}")
     if hlen != tr.header_length or len(head) != PREAMBLE.size + hlen:
         raise InvalidFormat("preamble: header length disagrees with the trailer")
     got = xxhash.xxh64_intdigest(head)
@@ -378,8 +396,9 @@ def _parse_head(head: bytes | memoryview, tr: _Trailer) -> tuple[int, int, dict[
         raise InvalidFormat(f"blob header does not decode: {e}") from None
     if not isinstance(header, dict) or header.get("format") != "mckp":
         raise InvalidFormat("blob header is not an MCKP header")
-    if header.get("version") != VERSION:
-        raise UnknownFormatVersion(f"MCKP header version {header.get('version')}")
+    if header.get("version") != version:
+        raise UnknownFormatVersion(f"MCKP header version {header.get('version')} (preamble "
+                                   f"says {version})")
     return version, flags, header
 
 
@@ -469,10 +488,10 @@ def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo, *,
         raise InvalidFormat(f"{where}: unknown transform {transform}") from None
     payload = mv[hlen:]
     if verify_payload:
-        got = xxhash.xxh64_intdigest(payload)
+        got = chunk_hasher(info.version)(payload)
         if got != pay_xxh:
             raise ChecksumMismatch(f"{where} payload", pay_xxh, got)
-    return ChunkMeta(transform, width, raw_size, raw_xxh, pay_xxh, planes), payload
+    return ChunkMeta(transform, width, raw_size, raw_xxh, pay_xxh, planes, info.version), payload
 
 
 # ---------------------------------------------------------------- readers
@@ -509,8 +528,8 @@ def _parse_preamble_len(pre: bytes | memoryview) -> int:
     magic, version, _flags, hlen = PREAMBLE.unpack(bytes(pre))
     if magic != MAGIC:
         raise InvalidFormat(f"bad magic {bytes(magic)!r}: not an MCKP blob")
-    if version != VERSION:
-        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {VERSION})")
+    if version not in READ_VERSIONS:
+        raise UnknownFormatVersion(f"MCKP version {version} (this reader knows {_known()})")
     return int(hlen)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 
 import numpy as np
@@ -222,10 +223,35 @@ def test_crafted_structural_lies_are_refused(blob_and_prev: tuple) -> None:
 
 
 def test_unknown_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(C, "VERSION", 2)
-    blob = compress_state_dict({"a": torch.ones(3)})
+    monkeypatch.setattr(C, "VERSION", 3)  # a future writer (an empty tensor: no blocks)
+    blob = compress_state_dict({"e": torch.empty(0)})
     monkeypatch.undo()
-    with pytest.raises(UnknownFormatVersion):
+    with pytest.raises(UnknownFormatVersion, match="version 3"):
         parse_blob(blob)
     with pytest.raises(UnknownFormatVersion):
         MckpRangeReader(lambda o, k: blob[o:o + k], len(blob)).open()
+    today = compress_state_dict({"a": torch.ones(3)})
+    assert parse_blob(today).version == C.VERSION == 2
+    monkeypatch.setattr(C, "READ_VERSIONS", (1,))  # a reader from before version 2
+    with pytest.raises(UnknownFormatVersion, match="version 2"):
+        parse_blob(today)
+
+
+def test_version_2_chunks_carry_xxh3_hashes_and_the_writer_refuses_others() -> None:
+    """Version 2's one change: chunk raw/payload hashes are XXH3-64 (checked on decode)."""
+    x = torch.arange(1000, dtype=torch.float32)
+    blob = compress_state_dict({"x": x})
+    info = parse_blob(blob)
+    ref = info.index[(0, 0)]
+    meta, payload = C.block_from_bytes(memoryview(blob)[ref.offset:ref.offset + ref.length],
+                                       ref, info)
+    assert meta.hash_version == 2
+    assert meta.raw_xxh64 == xxhash.xxh3_64_intdigest(x.numpy().tobytes())
+    assert meta.payload_xxh64 == xxhash.xxh3_64_intdigest(payload)
+    enc = encode_chunk(x.numpy().view(np.uint8), "float32", None, CodecParams())
+    old = dataclasses.replace(enc, meta=dataclasses.replace(enc.meta, hash_version=1))
+    w = MckpWriter([TensorEntry.make("x", "float32", (1000,), CodecParams.chunk_bytes)],
+                     params=CodecParams())
+    w.begin()
+    with pytest.raises(ValueError, match="version 1 hashes"):
+        w.add(0, 0, old)

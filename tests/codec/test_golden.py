@@ -8,15 +8,15 @@ from mithril_async.codec import decompress_state_dict, rans, read_info
 from mithril_async.codec.container import block_from_bytes
 from mithril_async.codec.entropy import PlaneMethod
 from tests.codec._helpers import same_bits
-from tests.golden.make_golden import HERE, NAMES, expected
+from tests.golden.make_golden import HERE, NAMES, expected, version_of
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_golden_file_decodes_bitwise(name: str) -> None:
     blob = (HERE / f"{name}.mckp").read_bytes()
     info = read_info(blob)
-    assert info.version == 1 and info.metadata == {"golden": name}
-    prev = expected("v1_base") if name == "v1_delta" else None
+    assert info.version == version_of(name) and info.metadata == {"golden": name}
+    prev = expected("v1_base") if name.endswith("_delta") else None
     out = decompress_state_dict(blob, previous=prev)
     want = expected(name)
     assert list(out) == list(want)
@@ -32,7 +32,8 @@ def _plane_methods(blob: bytes) -> set[int]:
 
 
 @pytest.mark.parametrize(("name", "method"), [("v1_rans", PlaneMethod.RANS),
-                                              ("v1_rans32", PlaneMethod.RANS32)])
+                                              ("v1_rans32", PlaneMethod.RANS32),
+                                              ("v2_rans32", PlaneMethod.RANS32)])
 def test_golden_rans_files_decode_without_the_native_coder(
         monkeypatch: pytest.MonkeyPatch, name: str, method: PlaneMethod) -> None:
     blob = (HERE / f"{name}.mckp").read_bytes()

@@ -1,7 +1,8 @@
 """Generate the golden MCKP files of this directory (run once per format version).
 
-``python -m tests.golden.make_golden`` writes ``v1_*.mckp`` (between them every plane method:
-raw, constant, zstd, rANS and Huffman-only deflate, every transform, and a delta);
+``python -m tests.golden.make_golden`` writes the missing ``vN_*.mckp`` of today's version N
+(between them every plane method: raw, constant, zstd, rANS and Huffman-only deflate, every
+transform, and a delta; ``v1_*`` were written by version 1, ``v2_*`` by version 2);
 ``tests/codec/test_golden.py`` regenerates the same tensors with :func:`expected` and checks
 that today's reader decodes every golden file to them bit for bit, so a future reader that
 cannot read old checkpoints fails CI.  Never regenerate an existing version's files: add new
@@ -26,8 +27,14 @@ def _weights(seed: int, n: int) -> torch.Tensor:
                             * 0.02)
 
 
+def version_of(name: str) -> int:
+    """The MCKP version golden file ``name`` was written with (its ``vN_`` prefix)."""
+    return int(name.split("_", 1)[0][1:])
+
+
 def expected(name: str) -> dict[str, torch.Tensor]:
     """The state dict stored in golden file ``name`` (deterministic, no torch RNG)."""
+    name = "v1_" + name.split("_", 1)[1]  # every version stores the same tensors
     if name in ("v1_dtypes", "v1_zstd_nogroup", "v1_deflate"):
         rng = np.random.default_rng(1)
         return {
@@ -59,31 +66,40 @@ def expected(name: str) -> dict[str, torch.Tensor]:
 
 
 #: v1_rans holds plane method 4 (RANS, written before RANS32 existed), v1_rans32 method 5.
+#: Version 2 (XXH3-64 chunk hashes) has the same files but v2_rans (nothing writes method 4).
 NAMES = ["v1_dtypes", "v1_zstd_nogroup", "v1_deflate", "v1_rans", "v1_rans32", "v1_base",
-         "v1_delta"]
+         "v1_delta", "v2_dtypes", "v2_zstd_nogroup", "v2_deflate", "v2_rans32", "v2_base",
+         "v2_delta"]
 
 
 def build(name: str) -> bytes:
-    """Encode golden file ``name`` with the parameters it was made with."""
+    """Encode golden file ``name`` with the parameters it was made with (today's writer: only
+    for files of today's version)."""
+    tag, name = name.split("_", 1)[0], "v1_" + name.split("_", 1)[1]
     if name == "v1_deflate":  # as written where the native rANS coder is not built
         saved = rans.NATIVE
         rans.NATIVE = False
         try:
             return compress_state_dict(expected(name), chunk_bytes=512, step=3,
-                                       metadata={"golden": name})
+                                       metadata={"golden": f"{tag}_deflate"})
         finally:
             rans.NATIVE = saved
     if name == "v1_zstd_nogroup":
         p = CodecParams(byte_grouping=False, entropy="zstd", chunk_bytes=256)
-        return compress_state_dict(expected(name), params=p, step=1, metadata={"golden": name})
+        return compress_state_dict(expected(name), params=p, step=1,
+                                   metadata={"golden": f"{tag}_zstd_nogroup"})
     prev = expected("v1_base") if name == "v1_delta" else None
     chunk = 1 << 20 if name in ("v1_rans", "v1_rans32") else 512
     return compress_state_dict(expected(name), previous=prev, chunk_bytes=chunk, step=2,
-                               metadata={"golden": name})
+                               metadata={"golden": f"{tag}_{name.split('_', 1)[1]}"})
 
 
 def main() -> int:
+    from mithril_async.codec.container import VERSION
+
     for name in NAMES:
+        if version_of(name) != VERSION:
+            continue
         path = HERE / f"{name}.mckp"
         if path.exists() and "--force" not in sys.argv:
             print(f"{path.name} exists; not overwritten")
