@@ -458,21 +458,28 @@ class CheckpointManager:
                               rng: dict[str, Any], t0: float, roles: Roles,
                               overlap: OverlapCopy | None) -> SaveResult:
         coord = self.coordinator
-        number = await coord.agree_version(self.catalog.claim_version)
-        res.version_id = version_id(number)
+        # The version number is agreed (rank 0 claims it, then a broadcast) while this rank
+        # already encodes: blob writers hold their first bytes until the number is known.
+        agree = asyncio.ensure_future(coord.agree_version(self.catalog.claim_version))
         updates: list[_ChainUpdate] = []
         try:
             if overlap is not None:  # the staged buffers are complete (and untorn) first
                 await overlap.finished()
-            part = await self._write_part(number, res, items, json_states, rng, updates, roles)
+            part = await self._write_part(agree, res, items, json_states, rng, updates, roles)
         except BaseException as err:
             if isinstance(err, asyncio.CancelledError):
-                await asyncio.shield(self._discard(number))
+                if not agree.done():
+                    agree.cancel()
+                elif not agree.cancelled() and agree.exception() is None:
+                    await asyncio.shield(self._discard(agree.result()))
                 raise
             part = RankPart(rank=self.rank, error=f"{type(err).__name__}: {err}")
             local_err: BaseException | None = err
         else:
             local_err = None
+        # every rank takes part in the agreement; its failure fails the save as before
+        number = await agree
+        res.version_id = version_id(number)
         try:
             parts = await coord.gather_parts(part)
         except DistributedError:  # a peer died or hung before any commit: drop our blobs
@@ -545,44 +552,59 @@ class CheckpointManager:
             log.warning("retention after %s failed (will retry after the next save): %r",
                         manifest.version_id, err)
 
-    async def _write_part(self, number: int, res: SaveResult, items: list[StagedItem],
-                          json_states: dict[str, Any], rng: dict[str, Any],
-                          updates: list[_ChainUpdate], roles: Roles | None = None) -> RankPart:
+    async def _write_part(self, number: asyncio.Future[int], res: SaveResult,
+                          items: list[StagedItem], json_states: dict[str, Any],
+                          rng: dict[str, Any], updates: list[_ChainUpdate],
+                          roles: Roles | None = None) -> RankPart:
         """Write this rank's blobs and RNG file durably; report what was written.
 
-        ``updates`` receives the chain bookkeeping to apply once the version commits.
+        ``number`` is the version number being agreed: blobs start encoding before it is
+        known (their keys wait for it).  ``updates`` receives the chain bookkeeping to apply
+        once the version commits.
         """
         part = RankPart(rank=self.rank)
         loop = asyncio.get_running_loop()
+
+        async def agreed() -> int:  # shielded: a failed write must not cancel the agreement
+            return await asyncio.shield(number)
+
         if self._lossy is not None:
-            items = await self._write_lossy(number, res, items, roles or {}, part)
+            items = await self._write_lossy(await agreed(), res, items, roles or {}, part)
+
+        async def key_of(name: str) -> str:
+            n = await agreed()
+            if name == "model" and self.rank == 0 and not self.sharded_model:
+                return self.layout.model_key(n, self._codec.model_ext)
+            return self.layout.shard_key(n, name, self.rank)
+
         async def write_item(item: StagedItem) -> tuple[StagedItem, BlobRef] | None:
             chain = self._chains[item.name]
             plan, hashes = (await loop.run_in_executor(self._pool, plan_item, chain, item.tensors)
                             if self.chain_policy.double_buffer else (EncodePlan(), {}))
-            if item.name == "model":
-                if self.rank != 0 and not self.sharded_model:
-                    return None
-                key = (self.layout.model_key(number, self._codec.model_ext) if self.rank == 0
-                       and not self.sharded_model else
-                       self.layout.shard_key(number, "model", self.rank))
-            else:
-                key = self.layout.shard_key(number, item.name, self.rank)
-            ref = await self._codec.write(self.store, key, item, step=res.step, plan=plan)
+            if item.name == "model" and self.rank != 0 and not self.sharded_model:
+                return None
+            key = asyncio.ensure_future(key_of(item.name))
+            try:
+                ref = await self._codec.write(self.store, key, item, step=res.step, plan=plan)
+            finally:
+                key.cancel()  # no-op once done; stops a key still waiting when writing failed
             updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
             return item, ref
 
         part.exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
                          for s in json_states.values())
-        part.rng_key = self.layout.rng_key(number, self.rank)
         rng_doc = {"rank": self.rank, "step": res.step, "rng": rng, "states": json_states,
                    "exact": part.exact}
         rng_bytes = json.dumps(rng_doc).encode()
         part.rng_xxh64 = xxhash.xxh64_hexdigest(rng_bytes)
+
+        async def write_rng() -> None:
+            part.rng_key = self.layout.rng_key(await agreed(), self.rank)
+            await self.store.put(part.rng_key, rng_bytes)
+
         # items (and the RNG file) are written concurrently: one blob's fsync waits on the
         # disk while the codec threads encode the next one
-        written = await all_or_first_error(
-            [write_item(item) for item in items] + [self.store.put(part.rng_key, rng_bytes)])
+        written = await all_or_first_error([write_item(item) for item in items] + [write_rng()])
         for out in written[:len(items)]:
             if out is None:
                 continue

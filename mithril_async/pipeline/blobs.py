@@ -34,6 +34,7 @@ from mithril_async.lossy.serial import checkpoint_from_bytes
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.partial import read_partial
 from mithril_async.storage.base import BlobWriter, Store
+from mithril_async.storage.deferred import DeferredWriter
 
 SKELETON_KEY = "mithril.skeleton"
 ITEM_KEY = "mithril.item"
@@ -155,10 +156,17 @@ class BlobCodec:
         return {"format": "mckp", **self.params.to_dict()}
 
     # ------------------------------------------------------------------ write
-    async def write(self, store: Store, key: str, item: StagedItem, *, step: int,
-                    plan: EncodePlan | None = None) -> BlobRef:
+    async def write(self, store: Store, key: str | asyncio.Future[str], item: StagedItem, *,
+                    step: int, plan: EncodePlan | None = None) -> BlobRef:
+        """Encode ``item`` into one blob under ``key`` and commit it.
+
+        ``key`` may be a future (the version number is still being agreed): encoding starts
+        at once and what it writes first waits in memory for the key, up to the in-flight
+        budget (:class:`~mithril_async.storage.deferred.DeferredWriter`).
+        """
         plan = plan or EncodePlan()
-        writer = store.open_writer(key)
+        writer: BlobWriter = (store.open_writer(key) if isinstance(key, str) else DeferredWriter(
+            store, key, limit=self.inflight_limit(self.params_for(item.nbytes))))
         try:
             if self.comp.enabled:
                 digest = await self._write_mckp(writer, item, step, plan)
@@ -171,7 +179,7 @@ class BlobCodec:
             await asyncio.shield(writer.abort())
             raise
         holders = {(r.holder.key, r.holder.xxh64): r.holder for r in plan.refs.values()}
-        return BlobRef(key=key, bytes=size, xxh64=digest, format=fmt,
+        return BlobRef(key=writer.key, bytes=size, xxh64=digest, format=fmt,
                        raw_bytes=item.nbytes, base=plan.base if plan.base_views else None,
                        refs=sorted(holders.values(), key=lambda b: b.key))
 
