@@ -22,9 +22,9 @@ class DeferredWriter(WriterContext):
 
     ``key`` is a future (it may be awaited by several writers); its failure fails
     :meth:`write`/:meth:`commit` with the same error.  Bytes written before the key is known
-    are copied (the caller may reuse its buffer as soon as ``write`` returns, as with every
-    writer) and at most ``limit`` of them are held.  ``key`` (the attribute) is the key once
-    the inner writer is open, ``""`` before.
+    are held (copied unless they are ``bytes``: the caller may reuse its buffer as soon as
+    ``write`` returns, as with every writer), at most ``limit`` of them.  ``key`` (the
+    attribute) is the key once the inner writer is open, ``""`` before.
     """
 
     def __init__(self, store: Store, key: asyncio.Future[str], *, limit: int) -> None:
@@ -52,7 +52,8 @@ class DeferredWriter(WriterContext):
     async def write(self, data: bytes | memoryview) -> None:
         n = memoryview(data).nbytes
         if self._inner is None and not self._key.done() and self._held_bytes + n <= self._limit:
-            self._held.append(bytes(data))
+            # bytes are immutable: held as they are; anything else is copied
+            self._held.append(data if isinstance(data, bytes) else bytes(data))
             self._held_bytes += n
             return
         await (await self._open()).write(data)
