@@ -747,8 +747,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void v2_encode_avx51
 #define BLK ((size_t)1 << BLOCK_LOG)
 /* scratch for one block's backward stream: <= one word per symbol, 16 spare bytes below */
 #define V2_REGION (2 * BLK + 64)
-#define V2_ENC_ST(stv, pv, j, sym) do { uint64_t *st = (stv); uint8_t *p = (pv); \
-        V2_ENC(j, sym); (pv) = p; } while (0)
+
+/* Scalar steps for symbols from-1 down to to (symbol k on lane k & 31): a block's partial last
+ * round, and whatever no SIMD path took */
+static void v2_enc_scalar(const uint8_t *s, size_t from, size_t to, uint64_t *st, uint8_t **pp,
+                          const esym_t *es) {
+    uint8_t *p = *pp;
+    size_t k;
+    for (k = from; k-- > to;) V2_ENC(k & (V2_LANES - 1), s[k]);
+    *pp = p;
+}
 
 /* A block's coder tables from its normalised frequencies: es for the scalar steps, sym_tab
  * (freq | start << 16) for the SIMD ones. */
@@ -864,13 +872,8 @@ int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_
             if (off + 32 + 512 + 4 * V2_LANES + 4 + 2 * len[0] + 32 > cap) {
                 free(ftab); free(ent); free(pairbuf); return -1;
             }
-            i = len[0];
-            {
-                uint64_t *stx = st[0];
-                uint8_t *px = p[0];
-                while (i & (V2_LANES - 1)) { i--; V2_ENC_ST(stx, px, i & (V2_LANES - 1), sb[i]); }
-                p[0] = px;
-            }
+            i = len[0] & ~(size_t)(V2_LANES - 1);
+            v2_enc_scalar(sb, len[0], i, st[0], &p[0], es);
 #if MR_HAVE_X86
             if (avx512) {
                 const uint32_t *ents[1] = {ent};
@@ -884,16 +887,7 @@ int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_
                 i = 0;
             }
 #endif
-            {
-                uint64_t *stx = st[0];
-                uint8_t *px = p[0];
-                while (i) { /* whole rounds, lanes 31..0 */
-                    const uint8_t *sp = sb + i - V2_LANES;
-                    for (k = V2_LANES; k-- > 0;) V2_ENC_ST(stx, px, k, sp[k]);
-                    i -= V2_LANES;
-                }
-                p[0] = px;
-            }
+            v2_enc_scalar(sb, i, 0, st[0], &p[0], es); /* whole rounds, lanes 31..0 */
         }
         for (j = 0; j < g; j++) { /* table, header, stream of each block, in order */
             v2_put_table(ftab + (b + j) * 256, dst, &off);

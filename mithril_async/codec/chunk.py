@@ -246,7 +246,8 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
     raw_size = src.size
     if base is not None and base.size != raw_size:
         raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
-    raw_xxh = xxhash.xxh3_64_intdigest(src.data)
+    digest, stream = _HASHERS[CHUNK_HASH_VERSION]
+    raw_xxh = digest(src.data)
     transform, width, mode = choose_transform(dtype_name, raw_size, params)
     buf = transform_bytes(src, transform, width, base, out=_scratch("enc", raw_size))
     parts: list[Any] = []
@@ -261,7 +262,7 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
         parts.append(data)
         planes.append((int(method), len(data)))
         off += n
-    h = xxhash.xxh3_64()
+    h = stream()
     for part in parts:
         h.update(part)
     meta = ChunkMeta(int(transform) | (DELTA_BIT if base is not None else 0), width, raw_size,
