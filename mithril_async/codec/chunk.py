@@ -3,7 +3,11 @@
 A chunk is a contiguous, element-aligned byte range of a tensor (a few MiB, so big tensors
 spread over the thread pool).  Encoding is::
 
-    raw bytes --(XOR base)--> --(group | exponent planes)--> planes --(per-plane coder)--> payload
+    raw bytes --(XOR base)--> --(transform)--> planes --(per-plane coder)--> payload
+
+The transforms (none, byte grouping, exponent planes) live in
+:mod:`~mithril_async.codec.transforms`, one small object per on-disk id; this module dispatches
+on that registry for every choice, layout, inverse and validation (``docs/CODEC.md``).
 
 Both directions are synchronous, thread-safe and spend their time in C (the byte kernels,
 zlib/zstd, xxhash), so the manager can run many chunks on a thread pool.  The chunk carries a
@@ -18,15 +22,14 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from mithril_async.codec import kernels as K
 from mithril_async.codec.dtypes import dtype_info
 from mithril_async.codec.entropy import decode_plane, encode_plane
+from mithril_async.codec.transforms import CHOICE_ORDER, REGISTRY, ChunkTransform, Transform
 from mithril_async.errors import ChecksumMismatch, ConfigError, InvalidFormat, ShapeMismatch
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "encode_chunk",
     "plane_sizes",
     "transform_bytes",
+    "transform_for",
 ]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
@@ -70,16 +74,13 @@ def chunk_hasher(version: int) -> Callable[[Any], int]:
         raise InvalidFormat(f"no chunk hash is defined for MCKP version {version}") from None
 
 
-class Transform(IntEnum):
-    """Byte transform of a chunk; the value is written into block headers (never renumber)."""
-
-    NONE = 0
-    GROUP = 1  # byte grouping, width = ChunkMeta.width
-    EXP_BF16 = 2  # exponent plane + sign/mantissa plane (ZipNN style)
-    EXP_FP32 = 3  # exponent plane + sign/7 mantissa bits + two low mantissa planes
-
-
-_EXP_KIND = {Transform.EXP_BF16: ("bf16", 2), Transform.EXP_FP32: ("fp32", 4)}
+def transform_for(transform: int, where: str = "chunk") -> ChunkTransform:
+    """The registered transform of a block header's transform byte (delta bit ignored);
+    :class:`InvalidFormat` naming ``where`` for any other value."""
+    tr = None if transform & ~(DELTA_BIT | 0x7F) else REGISTRY.get(transform & ~DELTA_BIT)
+    if tr is None:
+        raise InvalidFormat(f"{where}: unknown transform {transform}")
+    return tr
 
 
 @dataclass(frozen=True)
@@ -190,8 +191,7 @@ def chunk_spans(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tuple[int,
 
 def plane_sizes(transform: int, width: int, raw_size: int) -> list[int]:
     """Raw sizes of the planes a transform splits ``raw_size`` bytes into (tail plane last)."""
-    t = transform & ~DELTA_BIT
-    w = 1 if t == Transform.NONE else width
+    w = transform_for(transform).planes(width)
     n = raw_size // w
     sizes = [n] * w
     if raw_size - n * w:
@@ -205,40 +205,25 @@ def choose_transform(dtype_name: str, size: int, params: CodecParams
     :func:`encode_chunk` uses for ``size`` bytes of ``dtype_name``."""
     info = dtype_info(dtype_name)
     mode = "zstd" if params.entropy == "zstd" or info.kind not in ("float", "complex") else "float"
-    if params.byte_grouping and params.exponent_planes and info.exp_kind and size >= 16:
-        return (Transform.EXP_BF16 if info.exp_kind == "bf16" else Transform.EXP_FP32,
-                info.itemsize, mode)
-    if params.byte_grouping and info.group_width > 1 and size >= 2 * info.group_width:
-        return Transform.GROUP, info.group_width, mode
-    return Transform.NONE, 1, mode
+    for tr in CHOICE_ORDER:
+        width = tr.choose(info, size, params)
+        if width is not None:
+            return tr.id, width, mode
+    raise AssertionError("the NONE transform takes every chunk")  # pragma: no cover
 
 
-_WIDTHS = {Transform.NONE: range(1, 2), Transform.GROUP: range(2, 17),
-           Transform.EXP_BF16: range(2, 3), Transform.EXP_FP32: range(4, 5)}
-
-
-def _check_transform(meta: ChunkMeta, where: str) -> Transform:
-    try:
-        transform = Transform(meta.transform & ~DELTA_BIT)
-    except ValueError:
-        raise InvalidFormat(f"{where}: unknown transform {meta.transform}") from None
-    if meta.transform & ~(DELTA_BIT | 0x7F):
-        raise InvalidFormat(f"{where}: unknown transform {meta.transform}")
-    if meta.width not in _WIDTHS[transform]:
-        raise InvalidFormat(f"{where}: width {meta.width} invalid for {transform.name}")
-    return transform
+def _check_transform(meta: ChunkMeta, where: str) -> ChunkTransform:
+    tr = transform_for(meta.transform, where)
+    if meta.width not in tr.widths:
+        raise InvalidFormat(f"{where}: width {meta.width} invalid for {tr.name}")
+    return tr
 
 
 def transform_bytes(src: U8, transform: Transform, width: int, base: U8 | None,
                     out: U8 | None = None) -> U8:
     """The planes ``transform`` makes of ``src`` (XORed with ``base`` first when given), in
     ``out`` when given; ``NONE`` without a base returns ``src`` itself."""
-    if transform == Transform.NONE:
-        return src if base is None else K.xor(src, base, out=out)
-    if transform == Transform.GROUP:
-        return (K.group(src, width, out=out) if base is None
-                else K.xor_group(src, base, width, out=out))
-    return K.exp_group(src, _EXP_KIND[transform][0], base, out=out)
+    return transform_for(transform).forward(src, width, base, out)
 
 
 def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> EncodedChunk:
@@ -288,7 +273,7 @@ def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, 
         got = hasher(mv)
         if got != meta.payload_xxh64:
             raise ChecksumMismatch(f"{where} (stored payload)", meta.payload_xxh64, got)
-    transform = _check_transform(meta, where)
+    tr = _check_transform(meta, where)
     if meta.is_delta:
         if base is None:
             raise InvalidFormat(f"{where}: delta chunk decoded without its base")
@@ -298,7 +283,7 @@ def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, 
     sizes = plane_sizes(meta.transform, meta.width, meta.raw_size)
     if len(sizes) != len(meta.planes):
         raise InvalidFormat(f"{where}: {len(meta.planes)} planes, transform makes {len(sizes)}")
-    direct = transform == Transform.NONE and not meta.is_delta
+    direct = tr.identity and not meta.is_delta
     buf: U8 = out if direct else _scratch("dec", meta.raw_size)
     off = soff = 0
     for i, ((method, stored), n) in enumerate(zip(meta.planes, sizes, strict=True)):
@@ -307,15 +292,7 @@ def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, 
         off += n
         soff += stored
     if not direct:
-        if transform == Transform.NONE:
-            K.xor(buf, base, out=out)
-        elif transform == Transform.GROUP:
-            if base is None:
-                K.ungroup(buf, meta.width, out=out)
-            else:
-                K.ungroup_xor(buf, base, meta.width, out=out)
-        else:
-            K.exp_ungroup(buf, _EXP_KIND[transform][0], base, out=out)
+        tr.inverse(buf, meta.width, base, out)
     got = hasher(out.data)
     if got != meta.raw_xxh64:
         raise ChecksumMismatch(f"{where} (decoded bytes)", meta.raw_xxh64, got)

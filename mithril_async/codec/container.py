@@ -38,11 +38,11 @@ from mithril_async.codec.chunk import (
     ChunkMeta,
     CodecParams,
     EncodedChunk,
-    Transform,
     chunk_hasher,
     chunk_spans,
 )
 from mithril_async.codec.dtypes import dtype_info
+from mithril_async.codec.transforms import REGISTRY
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, UnknownFormatVersion
 
 __all__ = [
@@ -482,10 +482,8 @@ def block_from_bytes(data: bytes | memoryview, ref: BlockRef, info: MckpInfo, *,
         raise InvalidFormat(f"{where}: stored size disagrees with the block length")
     if bool(transform & DELTA_BIT) != (t.base_xxh64 is not None):
         raise InvalidFormat(f"{where}: delta flag disagrees with the tensor entry")
-    try:
-        Transform(transform & ~DELTA_BIT)
-    except ValueError:
-        raise InvalidFormat(f"{where}: unknown transform {transform}") from None
+    if transform & ~DELTA_BIT not in REGISTRY:
+        raise InvalidFormat(f"{where}: unknown transform {transform}")
     payload = mv[hlen:]
     if verify_payload:
         got = chunk_hasher(info.version)(payload)
