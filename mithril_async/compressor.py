@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from mithril_async.errors import (
     MissingPrevious,
     UnsafeKey,
 )
+from mithril_async.storage.atomic import atomic_write
 
 __all__ = ["CheckpointMeta", "Compressor"]
 
@@ -117,21 +117,7 @@ class Compressor:
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(path, data)
 
     # ---------------------------------------------------------------- API
 

@@ -4,26 +4,26 @@ Why a module of its own: Hugging Face checkpoints arrive as safetensors, and use
 back as safetensors (``safe_open`` readable) after a compressed round trip. The MCKP blob keeps
 the file's tensor order and its ``__metadata__`` strings (under :data:`ST_METADATA_KEY`), so
 ``decompress`` reproduces an equivalent file: same names, dtypes, shapes, bytes and metadata.
-Files are written atomically (temp file in the same folder, fsync, rename) so a crash never
-leaves a half-written output where the real one should be.
+Files are written atomically (:mod:`mithril_async.storage.atomic`: temp file in the same
+folder, fsync, rename, folder fsync) so a crash never leaves a half-written output where the
+real one should be.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict, read_info
 from mithril_async.errors import InvalidFormat, UnsupportedStateType
+from mithril_async.storage.atomic import atomic_file
 
 __all__ = [
     "ST_METADATA_KEY",
@@ -55,19 +55,9 @@ class FileResult:
         return self.raw_bytes / self.out_bytes if self.out_bytes else 0.0
 
 
-@contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
-    """Open a temp file next to ``path``; on success fsync and rename it over ``path``."""
-    dst = Path(path)
-    tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+#: a temp file next to the output, fsynced and renamed over it (and the folder fsynced) when
+#: the ``with`` block ends normally; removed, leaving the output as it was, on an exception
+atomic_output = atomic_file
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from mithril_async.errors import ConfigError
 from mithril_async.storage.base import (
     BlobWriter,
+    DirListing,
     Store,
     check_key,
     check_prefix,
@@ -102,6 +103,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BlobWriter",
+    "DirListing",
     "LocalStore",
     "MemoryStore",
     "S3Store",

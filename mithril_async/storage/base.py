@@ -12,14 +12,21 @@ lock files, so :func:`check_key` refuses them and :meth:`Store.list` never retur
 ``list(prefix)`` has directory semantics on every backend: ``""`` lists everything,
 ``"a/b/"`` or ``"a/b"`` list ``a/b`` itself (if it is a key) and every key below ``a/b/`` -
 but never ``a/bc``. This keeps S3 (plain string prefixes) and the file system alike.
+
+``list_dir(prefix)`` lists one level of the same tree (a :class:`DirListing`): the names of the
+keys directly in the folder ``prefix`` and of its sub-folders, where a folder exists exactly
+when some key lies below it (an empty directory or one holding only temp files does not count).
+A caller that needs one level (e.g. which version folders a run has) reads it without every
+key below; on S3 that is one delimited listing (``Delimiter="/"``) per folder.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from mithril_async.errors import UnsafeKey
 
@@ -70,6 +77,37 @@ def key_in_prefix(key: str, prefix: str) -> bool:
 def join_key(*parts: str) -> str:
     """Join key components with '/', validating the result."""
     return check_key("/".join(p.strip("/") for p in parts if p))
+
+
+class DirListing(NamedTuple):
+    """One level of a store folder: names (single key components, no ``/``), each sorted."""
+
+    #: names of the keys directly in the folder (``folder/<name>`` is a key)
+    files: list[str]
+    #: names of the sub-folders (some key lies below ``folder/<name>/``)
+    dirs: list[str]
+
+
+def child_name(rel: str) -> tuple[str, bool] | None:
+    """Split a key relative to a listed folder into (first component, is a sub-folder);
+    ``None`` when that component is no valid key part (temp files, foreign names)."""
+    name, sep, _ = rel.partition("/")
+    try:
+        check_key(name)
+    except UnsafeKey:
+        return None
+    return name, bool(sep)
+
+
+def dir_listing(rels: Iterable[str]) -> DirListing:
+    """The :class:`DirListing` of a folder from keys relative to it (below it at any depth)."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for rel in rels:
+        child = child_name(rel)
+        if child is not None:
+            (dirs if child[1] else files).add(child[0])
+    return DirListing(sorted(files), sorted(dirs))
 
 
 def as_bytes(data: bytes | bytearray | memoryview) -> bytes:
@@ -169,6 +207,11 @@ class Store(Protocol):
 
     async def list(self, prefix: str) -> list[str]:
         """All keys under ``prefix`` (directory semantics, see module doc), sorted."""
+
+    async def list_dir(self, prefix: str) -> DirListing:
+        """One level below the folder ``prefix`` (``""``: the root): the names of the keys
+        directly in it and of its sub-folders (see module doc). A key, not a folder, at
+        ``prefix`` itself is not listed; a missing folder lists empty."""
 
     async def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""

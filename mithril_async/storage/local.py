@@ -1,5 +1,9 @@
 """A Store on the local file system: temp file + fsync + rename, never a torn file.
 
+The steps are the pieces of :mod:`mithril_async.storage.atomic`, called with this module's
+``os`` (``fs=os``), so every system call of a save goes through one name that the fault and
+power-loss tests replace.
+
 Every blocking call runs on a worker thread (``asyncio.to_thread``), one hop per operation
 rather than one per syscall, so the event loop never waits on the disk.
 
@@ -23,7 +27,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -37,12 +40,15 @@ from mithril_async.errors import (
     StorageError,
     UnsafeKey,
 )
+from mithril_async.storage.atomic import create_temp, fsync_dir, unlink_quiet, write_all
 from mithril_async.storage.base import (
     RESERVED_PREFIX,
+    DirListing,
     WriterContext,
     check_key,
     check_prefix,
     check_range,
+    child_name,
     key_in_prefix,
 )
 
@@ -57,33 +63,6 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 def content_tag(data: bytes | memoryview) -> str:
     """The etag of a value: size + BLAKE2b-128 of the content."""
     return f"{len(data):x}-{hashlib.blake2b(data, digest_size=16).hexdigest()}"
-
-
-def _tmp_name(path: str) -> str:
-    base = os.path.basename(path)[:100]
-    return os.path.join(
-        os.path.dirname(path), f"{RESERVED_PREFIX}{base}.{os.getpid()}.{secrets.token_hex(4)}"
-    )
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _unlink_quiet(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class LocalStore:
@@ -165,7 +144,12 @@ class LocalStore:
 
     def _sync_dir(self, path: str) -> None:
         if self.durable:
-            _fsync_dir(path)
+            fsync_dir(path, fs=os)  # this module's ``os``: the seam the fault tests replace
+
+    def _replace(self, tmp: str, path: str) -> None:
+        """Rename a written temp file over ``path`` and make the rename durable."""
+        os.rename(tmp, path)
+        self._sync_dir(os.path.dirname(path))
 
     def _makedirs(self, d: str) -> None:
         """Create missing parents of a key, fsyncing each new entry so it survives a crash."""
@@ -187,24 +171,21 @@ class LocalStore:
         self._confine(path)
         for attempt in range(5):
             self._makedirs(os.path.dirname(path))
-            tmp = _tmp_name(path)
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                return create_temp(path, fs=os)
             except FileNotFoundError:
                 if attempt == 4:
                     raise
-                continue
-            return fd, tmp
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _write_tmp(self, path: str, data: bytes | memoryview) -> str:
         fd, tmp = self._create_tmp(path)
         try:
-            _write_all(fd, data)
+            write_all(fd, data, fs=os)
             self._fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quiet(tmp)
+            unlink_quiet(tmp, fs=os)
             raise
         os.close(fd)
         return tmp
@@ -289,11 +270,10 @@ class LocalStore:
         def put(path: str) -> None:
             tmp = self._write_tmp(path, data)
             try:
-                os.rename(tmp, path)
+                self._replace(tmp, path)
             except BaseException:
-                _unlink_quiet(tmp)
+                unlink_quiet(tmp, fs=os)  # gone already if only the directory fsync failed
                 raise
-            self._sync_dir(os.path.dirname(path))
 
         await self._run("put", key, put, reading=False)
 
@@ -321,7 +301,7 @@ class LocalStore:
             try:
                 return self._link_or_fail(tmp, path)
             finally:
-                _unlink_quiet(tmp)
+                unlink_quiet(tmp, fs=os)
 
         if not await self._run("put_if_absent", key, put_if_absent, reading=False):
             raise KeyExists(errno.EEXIST, f"key {key!r} already exists in {self.url}", key)
@@ -343,11 +323,10 @@ class LocalStore:
                         if not self._link_or_fail(tmp, path):  # created by a plain put
                             return False, "<created concurrently>"
                     else:
-                        os.rename(tmp, path)
-                        self._sync_dir(os.path.dirname(path))
+                        self._replace(tmp, path)
                 return True, None
             finally:
-                _unlink_quiet(tmp)
+                unlink_quiet(tmp, fs=os)
 
         won, found = await self._run("put_if_match", key, put_if_match, reading=False)
         if not won:
@@ -392,6 +371,15 @@ class LocalStore:
                 elif entry.is_file(follow_symlinks=False):
                     yield key, entry
 
+    def _keys(self, top: str, rel: str) -> Iterator[str]:
+        """Yield the keys of the regular files below ``top`` (whose key is ``rel``), skipping
+        temp/lock files and names no key can have."""
+        for key, _entry in self._walk(top, rel):
+            try:
+                yield check_key(key)
+            except UnsafeKey:
+                continue
+
     async def list(self, prefix: str) -> list[str]:
         norm = check_prefix(prefix)
 
@@ -401,14 +389,40 @@ class LocalStore:
             keys = []
             if norm and os.path.isfile(top) and not os.path.islink(top):
                 keys.append(norm)
-            for key, _entry in self._walk(top, norm):
-                try:
-                    keys.append(check_key(key))
-                except UnsafeKey:  # temp/lock files and names no key can have
-                    continue
+            keys += self._keys(top, norm)
             return sorted(k for k in keys if key_in_prefix(k, norm))
 
         return await self._run("list", norm or ".", list_keys, reading=True, path=self.root)
+
+    async def list_dir(self, prefix: str) -> DirListing:
+        norm = check_prefix(prefix)
+
+        def list_level(_: str) -> DirListing:
+            self._check_prefix_dir(norm)
+            top = os.path.join(self.root, norm) if norm else self.root
+            files: list[str] = []
+            dirs: list[str] = []
+            try:
+                it = os.scandir(top)
+            except (FileNotFoundError, NotADirectoryError):
+                return DirListing(files, dirs)
+            with it:
+                for entry in it:
+                    if child_name(entry.name) is None:  # temp/lock files, foreign names
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        # a folder counts only with a key below it, as on S3 (not an empty
+                        # directory, nor one holding only a running writer's temp file)
+                        rel = f"{norm}/{entry.name}" if norm else entry.name
+                        if next(self._keys(entry.path, rel), None) is not None:
+                            dirs.append(entry.name)
+                    elif entry.is_file(follow_symlinks=False):
+                        files.append(entry.name)
+            return DirListing(sorted(files), sorted(dirs))
+
+        return await self._run(
+            "list_dir", norm or ".", list_level, reading=True, path=self.root
+        )
 
     async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
         """Delete ``.tmp-*`` files of killed writers under ``prefix`` (and the prefix key's
@@ -493,10 +507,10 @@ class LocalWriter(WriterContext):
         if self._fd is None:
             self._fd, self._tmp = self._store._create_tmp(self._path)
         if self._buf:
-            _write_all(self._fd, self._buf)
+            write_all(self._fd, self._buf, fs=os)
             self._buf.clear()
         if extra is not None:
-            _write_all(self._fd, extra)
+            write_all(self._fd, extra, fs=os)
 
     async def write(self, data: bytes | memoryview) -> None:
         n = memoryview(data).nbytes

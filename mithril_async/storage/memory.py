@@ -15,11 +15,13 @@ from collections import defaultdict
 
 from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
 from mithril_async.storage.base import (
+    DirListing,
     WriterContext,
     as_bytes,
     check_key,
     check_prefix,
     check_range,
+    dir_listing,
     key_in_prefix,
 )
 
@@ -159,6 +161,12 @@ class MemoryStore:
         norm = check_prefix(prefix)
         await self._step("list", norm)
         return sorted(k for k in self._data if key_in_prefix(k, norm))
+
+    async def list_dir(self, prefix: str) -> DirListing:
+        norm = check_prefix(prefix)
+        await self._step("list_dir", norm)
+        head = f"{norm}/" if norm else ""
+        return dir_listing(k[len(head) :] for k in self._data if k.startswith(head))
 
     async def delete(self, key: str) -> None:
         check_key(key)

@@ -15,23 +15,39 @@ because the primary's compare-and-swap has already serialised writers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from mithril_async.errors import KeyNotFound
-from mithril_async.storage.base import BlobWriter, Store, WriterContext
+from mithril_async.errors import KeyExists, KeyNotFound
+from mithril_async.storage.base import BlobWriter, DirListing, Store, WriterContext
 
 
 class MirrorWriter(WriterContext):
+    """Tees writes into the primary's and the mirror's writers; a failure on either side
+    aborts both, so a failed write or commit leaves nothing behind on either (as every
+    store's writer does), not an open upload or temp file on the side that did not fail."""
+
     def __init__(self, key: str, writers: list[BlobWriter]) -> None:
         self.key = key
         self._writers = writers
 
     async def write(self, data: bytes | memoryview) -> None:
-        await asyncio.gather(*(w.write(data) for w in self._writers))
+        # every side settles before an abort, so no abort races a write still in flight
+        results = await asyncio.gather(
+            *(w.write(data) for w in self._writers), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.abort()
+            raise failed[0]
 
     async def commit(self) -> int:
         size = 0
-        for w in reversed(self._writers):  # mirror first, primary last
-            size = await w.commit()
+        try:
+            for w in reversed(self._writers):  # mirror first, primary last
+                size = await w.commit()
+        except BaseException:
+            await self.abort()  # a no-op for a side that committed already
+            raise
         return size
 
     async def abort(self) -> None:
@@ -85,7 +101,8 @@ class MirrorStore:
             return await self.primary.get_with_etag(key)
         except KeyNotFound:
             data = await self.mirror.get(key)
-            await self.primary.put_if_absent(key, data)  # adopt the mirror's copy locally
+            with contextlib.suppress(KeyExists):  # a concurrent reader adopted it first
+                await self.primary.put_if_absent(key, data)  # adopt the mirror's copy locally
             return await self.primary.get_with_etag(key)
 
     async def put_if_match(self, key: str, data: bytes | memoryview, etag: str | None) -> str:
@@ -96,6 +113,10 @@ class MirrorStore:
     async def list(self, prefix: str) -> list[str]:
         a, b = await asyncio.gather(self.primary.list(prefix), self.mirror.list(prefix))
         return sorted(set(a) | set(b))
+
+    async def list_dir(self, prefix: str) -> DirListing:
+        a, b = await asyncio.gather(self.primary.list_dir(prefix), self.mirror.list_dir(prefix))
+        return DirListing(sorted({*a.files, *b.files}), sorted({*a.dirs, *b.dirs}))
 
     async def delete(self, key: str) -> None:
         await self.primary.delete(key)

@@ -7,29 +7,18 @@ import asyncio
 import errno
 import multiprocessing
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from mithril_async.errors import KeyNotFound, StorageError, UnsafeKey
-from mithril_async.storage import LocalStore, MemoryStore, open_store
+from mithril_async.storage import DirListing, LocalStore, MemoryStore, open_store
 from mithril_async.storage.local import LOCK_NAME
-from tests.storage.conformance import StoreConformance, payload
+from mithril_async.testing.store import StoreTests, payload
+from tests.storage.factories import LocalFactory
 
 
-@dataclass
-class LocalFactory:
-    root: Path
-    spill_size: int = 1 << 20  # LocalWriter buffers this much before creating the temp file
-    knows_upload_age: bool = True
-    large_size: int = 12 << 20
-
-    def new(self) -> LocalStore:
-        return LocalStore(self.root)
-
-
-class TestLocalStore(StoreConformance):
+class TestLocalStore(StoreTests):
     @pytest.fixture
     def factory(self, tmp_path: Path) -> LocalFactory:
         return LocalFactory(tmp_path / "store")
@@ -258,3 +247,41 @@ def test_open_store_factory(tmp_path: Path) -> None:
         open_store("ftp://x/y")
     with pytest.raises(ValueError):
         open_store("file://relative/path")
+
+
+def test_list_dir_skips_what_is_no_key(tmp_path: Path) -> None:
+    """Empty directories, directories holding only temp files or names no key can have, and
+    symlinks are not listed, so a listing matches what ``list`` sees."""
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "secret").write_bytes(b"s")
+    root = tmp_path / "root"
+    (root / "empty" / "deeper").mkdir(parents=True)
+    (root / "temps").mkdir()
+    (root / "temps" / ".tmp-blob.1.abcd").write_bytes(b"t")
+    (root / "bad name").mkdir()
+    (root / "bad name" / "k").write_bytes(b"x")
+    (root / "hidden" / "bad name").mkdir(parents=True)
+    (root / "hidden" / "bad name" / "k").write_bytes(b"x")
+    (root / ".tmp-dir").mkdir()
+    (root / ".tmp-dir" / "k").write_bytes(b"x")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "file-link").symlink_to(outside / "d" / "secret")
+    (root / LOCK_NAME).write_bytes(b"")
+
+    async def body() -> None:
+        s = LocalStore(root)
+        await s.put("real/deep/k", b"1")
+        await s.put("top", b"1")
+        assert await s.list("") == ["real/deep/k", "top"]
+        assert await s.list_dir("") == DirListing(["top"], ["real"])
+        assert await s.list_dir("real") == DirListing([], ["deep"])
+        assert await s.list_dir("empty") == DirListing([], [])
+        assert await s.list_dir("temps/") == DirListing([], [])
+        assert await s.list_dir("hidden") == DirListing([], [])
+        with pytest.raises(UnsafeKey):
+            await s.list_dir("link/")
+        with pytest.raises(UnsafeKey):
+            await s.list_dir("link/d")
+
+    asyncio.run(body())

@@ -10,7 +10,7 @@ import pytest
 
 from mithril_async.errors import StorageError
 from mithril_async.storage.memory import MemoryStore
-from tests.storage.conformance import StoreConformance
+from mithril_async.testing.store import StoreTests
 
 
 @dataclass
@@ -25,7 +25,7 @@ class MemoryFactory:
         return self.store
 
 
-class TestMemoryStore(StoreConformance):
+class TestMemoryStore(StoreTests):
     @pytest.fixture
     def factory(self) -> MemoryFactory:
         return MemoryFactory()

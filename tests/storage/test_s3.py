@@ -12,57 +12,21 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-import aioboto3
 import pytest
 
 from mithril_async.config import RemoteConfig
 from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
-from mithril_async.storage import open_store
+from mithril_async.storage import DirListing, open_store
 from mithril_async.storage.s3 import MAX_RANGE, MIB, S3Store, crc32_b64, range_size
+from mithril_async.testing.store import StoreTests
 from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
-from tests.storage.conformance import StoreConformance
-
-_SESSION = aioboto3.Session()  # shared: building a botocore session per store is slow
+from tests.storage.factories import S3Factory
 
 
-@dataclass
-class S3Factory:
-    server: MotoS3
-    prefix: str
-    endpoint_url: str = ""
-    part_size: int = SMALL_PART
-    max_concurrency: int = 4
-    max_attempts: int = 3
-    options: dict[str, object] = field(default_factory=dict)
-    knows_upload_age: bool = False  # moto reports every upload as initiated in 2010
-
-    @property
-    def spill_size(self) -> int:
-        return self.part_size
-
-    @property
-    def large_size(self) -> int:
-        return 12 * self.part_size + 12_345
-
-    def new(self) -> S3Store:
-        return S3Store(
-            self.server.bucket,
-            self.prefix,
-            endpoint_url=self.endpoint_url or self.server.endpoint_url,
-            region_name="us-east-1",
-            part_size=self.part_size,
-            min_part_size=SMALL_PART,
-            max_concurrency=self.max_concurrency,
-            max_attempts=self.max_attempts,
-            session=_SESSION,
-            **self.options,  # type: ignore[arg-type]
-        )
-
-
-class TestS3Store(StoreConformance):
+class TestS3Store(StoreTests):
     @pytest.fixture
     def factory(self, s3_server: MotoS3) -> S3Factory:
         return S3Factory(s3_server, s3_server.unique_prefix())
@@ -133,17 +97,24 @@ def test_large_blob_is_multipart_with_crc32_per_part(
 
 
 def test_writer_blocks_when_parts_are_in_flight(factory: S3Factory, proxy: FaultProxy) -> None:
-    """Back-pressure: with 2 slots and 0.3 s per part, handing over 6 parts takes >= 0.6 s,
-    so at most ~(max_concurrency + 2) part buffers ever exist."""
+    """Back-pressure: with both upload slots held unanswered by the server, handing over 6
+    parts does not finish (at most ~(max_concurrency + 2) part buffers ever exist, whatever
+    the machine's speed); once the server answers it does, never with > 2 parts in flight."""
     f = via_proxy(factory, proxy, max_concurrency=2)
-    proxy.fail(lambda r: r.is_upload_part, "delay", times=None)
+    held = proxy.fail(lambda r: r.is_upload_part, "hold", times=2)
     data = blob(6 * f.part_size)
 
     async def body(s: S3Store) -> None:
         w = s.open_writer("slow")
-        t0 = time.perf_counter()
-        await w.write(data)
-        assert time.perf_counter() - t0 >= 0.55
+        handing_over = asyncio.ensure_future(w.write(data))
+        deadline = time.monotonic() + 60  # a safety net: the two parts arrive at once
+        while held.hits < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert held.hits == 2
+        await asyncio.sleep(0.3)
+        assert not handing_over.done()  # both slots are taken: the writer waits
+        held.released.set()  # the held parts are reset by the server and retried
+        await handing_over
         await w.commit()
         assert await s.get("slow") == data
 
@@ -263,6 +234,28 @@ def replace_bucket(server: MotoS3, bucket: str) -> MotoS3:
     clone = object.__new__(MotoS3)
     clone.__dict__.update(server.__dict__, bucket=bucket)
     return clone
+
+
+# -- listings ---------------------------------------------------------------------------------
+def test_list_dir_is_one_delimited_listing_skipping_foreign_names(
+    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+) -> None:
+    """Objects other tools wrote under names no key can have are left out, as ``list`` does;
+    a neighbouring prefix (``<prefix>x``) is not part of the store."""
+    f = via_proxy(factory, proxy)
+    for name in ("x/ok", "x/sub/k", "x/.tmp-y", "x/bad name", "x/bad dir/k", "x/", "x//z"):
+        s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{f.prefix}/{name}", Body=b"")
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{f.prefix}x/k", Body=b"")
+
+    async def body(s: S3Store) -> None:
+        assert await s.list("x") == ["x/ok", "x/sub/k"]
+        proxy.log.clear()
+        assert await s.list_dir("x") == DirListing(["ok"], ["sub"])
+        [request] = proxy.log
+        assert request.query["delimiter"] == ["/"] and request.query["prefix"] == [f"{f.prefix}/x/"]
+        assert await s.list_dir("") == DirListing([], ["x"])
+
+    run(body, f)
 
 
 # -- conditional writes -----------------------------------------------------------------------
@@ -392,16 +385,20 @@ def test_body_cut_mid_stream_is_retried(factory: S3Factory, proxy: FaultProxy) -
 
 
 def test_timeouts_are_retried(factory: S3Factory, proxy: FaultProxy) -> None:
+    """The first PUT is never answered while the test runs: the put can only succeed if
+    the client's read timeout fires and the request is retried."""
     f = via_proxy(factory, proxy, options={"read_timeout": 0.5})
-    stall = proxy.fail(lambda r: r.method == "PUT", "stall", times=1)
+    stall = proxy.fail(lambda r: r.method == "PUT", "hold", times=1)
 
     async def body(s: S3Store) -> None:
-        t0 = time.perf_counter()
         await s.put("k", b"value")
-        assert time.perf_counter() - t0 < 2.5  # the read timeout fired, not the 3 s reset
+        assert not stall.released.is_set()  # still unanswered: the retry did it
         assert await s.get("k") == b"value"
 
-    run(body, f)
+    try:
+        run(body, f)
+    finally:
+        stall.released.set()
     assert stall.hits == 1
     assert len([r for r in proxy.log if r.method == "PUT"]) == 2
 

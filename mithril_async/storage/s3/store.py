@@ -1,30 +1,4 @@
-"""A Store on S3 or an S3-compatible server (R2, MinIO, moto) via aioboto3.
-
-Keys live under ``<prefix>/<key>`` in one bucket. Design points:
-
-- **Streaming multipart writes**: :class:`~mithril_async.storage.s3_writer.S3Writer` (bounded
-  concurrency and memory, part size growing past 1,000 parts). Every part and PUT carries a
-  CRC32 checksum (computed on a worker thread), which S3 verifies on receipt.
-- **Parallel reads**: ``get`` / ``get_range`` split large reads into part-sized ranged GETs run
-  concurrently (a HEAD beside the first range gives the size at once); the ranges are pinned
-  to one ETag (``IfMatch``), so a concurrent overwrite restarts the read instead of mixing
-  versions.
-- **Conditional writes**: ``IfNoneMatch="*"`` / ``IfMatch=<etag>`` on PutObject (S3 since
-  2024, moto >= 5.0.x). ``conditional_writes="auto"`` probes the server once; servers that
-  ignore the headers get a logged, *non-atomic* read-compare-write fallback and
-  ``atomic_conditional_writes`` becomes False.
-- **Retries**: botocore's "standard" mode retries 5xx, throttling (SlowDown), connection
-  errors and timeouts with jittered exponential backoff, up to ``max_attempts`` attempts per
-  request; streamed response bodies (not covered by botocore) are retried here the same way.
-  Permanent failures become :class:`StorageError` naming ``s3://bucket/key``; 404s become
-  :class:`KeyNotFound`. S3's "200 OK with an <Error> body" on CompleteMultipartUpload is turned
-  into a retryable 500 by botocore; a completion without an ETag is still refused here.
-- **No hangs**: ``Expect: 100-continue`` is dropped (aiohttp waits for the go-ahead without any
-  timeout), and every request has a generous watchdog (:meth:`S3Store.watchdog`) because
-  aiohttp has no timeout on sending a body to a server that stopped reading.
-- Credentials come from the standard AWS chain (env vars, profiles, instance roles); nothing
-  here reads or logs them.
-"""
+"""``S3Store``: the Store protocol on S3 or an S3-compatible server (see the package doc)."""
 
 from __future__ import annotations
 
@@ -33,23 +7,14 @@ import builtins
 import contextlib
 import errno
 import logging
-import random
 import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 import aioboto3
-import aiohttp
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionClosedError,
-    IncompleteReadError,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
+from botocore.exceptions import ClientError
 
 from mithril_async.errors import (
     KeyExists,
@@ -60,24 +25,27 @@ from mithril_async.errors import (
 )
 from mithril_async.storage.base import (
     RESERVED_PREFIX,
+    DirListing,
     as_bytes,
     check_key,
     check_prefix,
     check_range,
+    dir_listing,
     key_in_prefix,
 )
-from mithril_async.storage.s3_writer import (
-    MAX_PART_SIZE,
-    MAX_PARTS,
-    S3Writer,
-    crc32_async,
-    crc32_b64,
+from mithril_async.storage.s3.errors import (
+    CALL_ERRORS,
+    TRANSIENT_STREAM_ERRORS,
+    backoff,
+    error_code,
+    is_missing,
+    is_precondition,
 )
+from mithril_async.storage.s3.writer import MAX_PART_SIZE, MIB, S3Writer, crc32_async
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mithril_async.storage.s3")
 T = TypeVar("T")
 
-MIB = 1 << 20
 DEFAULT_PART_SIZE = 8 * MIB
 MIN_PART_SIZE = 5 * MIB
 WATCHDOG_MIN_RATE = 256 * 1024  # bytes/s below which a request counts as hung
@@ -85,46 +53,6 @@ WATCHDOG_MIN_RATE = 256 * 1024  # bytes/s below which a request counts as hung
 RANGES_PER_CONNECTION = 4
 MAX_RANGE = 128 * MIB
 ConditionalMode = Literal["auto", "native", "emulate"]
-
-_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
-_PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
-_TRANSIENT_STREAM_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientPayloadError,
-    aiohttp.ClientConnectionError,
-    asyncio.TimeoutError,
-    ConnectionError,
-    ResponseStreamingError,
-    IncompleteReadError,
-    ReadTimeoutError,
-    ConnectionClosedError,
-)
-_CALL_ERRORS = (ClientError, BotoCoreError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
-
-
-def error_code(exc: BaseException) -> tuple[str, int | None]:
-    """(S3 error code, HTTP status) of a botocore ClientError, else ("", None)."""
-    if not isinstance(exc, ClientError):
-        return "", None
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code, status
-
-
-def is_precondition(exc: BaseException) -> bool:
-    code, status = error_code(exc)
-    return code in _PRECONDITION_CODES or status in (409, 412)
-
-
-def is_missing(exc: BaseException) -> bool:
-    code, status = error_code(exc)
-    if code in ("NoSuchBucket", "NoSuchUpload"):
-        return False
-    return code in _MISSING_CODES or status == 404
-
-
-def backoff(attempt: int, base: float = 0.05, cap: float = 5.0) -> float:
-    """Full-jitter exponential backoff, as botocore's standard mode uses."""
-    return random.uniform(0, min(cap, base * 2**attempt))
 
 
 def range_size(remaining: int, part: int, connections: int) -> int:
@@ -291,7 +219,7 @@ class S3Store:
             raise StorageError(
                 errno.ETIMEDOUT, f"{op} got no answer within {deadline:.0f} s", self.where(key)
             ) from exc
-        except _CALL_ERRORS as exc:
+        except CALL_ERRORS as exc:
             raise self.error(exc, op, key) from exc
 
     async def _retry_stream(self, op: str, key: str, fn: Callable[[], Awaitable[T]]) -> T:
@@ -300,7 +228,7 @@ class S3Store:
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return await fn()  # StorageErrors from the request itself: botocore retried
-            except _TRANSIENT_STREAM_ERRORS as exc:
+            except TRANSIENT_STREAM_ERRORS as exc:
                 if attempt == self.max_attempts:
                     raise self.error(exc, op, key) from exc
             log.debug("retrying %s of %s (attempt %d)", op, self.where(key), attempt + 1)
@@ -435,28 +363,48 @@ class S3Store:
             return False
         return True
 
+    async def _pages(
+        self, op: str, norm: str, method: str, **kwargs: Any
+    ) -> builtins.list[dict[str, Any]]:
+        """Every page of a paginated listing ``method`` (``Bucket`` filled in)."""
+        client = await self.client()
+        try:
+            paginator = client.get_paginator(method).paginate(Bucket=self.bucket, **kwargs)
+            return [page async for page in paginator]
+        except CALL_ERRORS as exc:
+            raise self.error(exc, op, norm) from exc
+
     async def list(self, prefix: str) -> list[str]:
         norm = check_prefix(prefix)
-        list_prefix = self._list_prefix(norm)
-        client = await self.client()
         keys: list[str] = []
-        try:
-            pages = client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=list_prefix
-            )
-            async for page in pages:
-                for obj in page.get("Contents", []):
-                    rel = self._rel(obj["Key"])
-                    if rel is None or not key_in_prefix(rel, norm):
-                        continue
-                    with contextlib.suppress(UnsafeKey):
-                        keys.append(check_key(rel))
-        except _CALL_ERRORS as exc:
-            raise self.error(exc, "list", norm or "") from exc
+        pages = await self._pages("list", norm, "list_objects_v2", Prefix=self._list_prefix(norm))
+        for page in pages:
+            for obj in page.get("Contents", []):
+                rel = self._rel(obj["Key"])
+                if rel is None or not key_in_prefix(rel, norm):
+                    continue
+                with contextlib.suppress(UnsafeKey):
+                    keys.append(check_key(rel))
         return sorted(keys)
 
+    async def list_dir(self, prefix: str) -> DirListing:
+        """One delimited listing: the keys directly in the folder and its common prefixes.
+
+        A common prefix shows where any object lies below it, so objects written by other
+        tools under names no key can have still make their folder appear."""
+        norm = check_prefix(prefix)
+        head = self._list_prefix(norm) + ("/" if norm else "")
+        pages = await self._pages(
+            "list_dir", norm, "list_objects_v2", Prefix=head, Delimiter="/"
+        )
+        rels = [obj["Key"][len(head) :] for page in pages for obj in page.get("Contents", [])]
+        rels += [p["Prefix"][len(head) :] for page in pages for p in page.get("CommonPrefixes", [])]
+        return dir_listing(rels)
+
     # -- writes ----------------------------------------------------------------------------
-    async def _put(self, op: str, key: str, data: bytes | memoryview, **extra: Any) -> str:
+    async def put_object(self, op: str, key: str, data: bytes | memoryview, **extra: Any) -> str:
+        """One PutObject of ``key`` with a CRC32 the server verifies, ``extra`` added to the
+        request (e.g. ``IfNoneMatch="*"``); returns the new ETag. Errors as :meth:`call`."""
         body = as_bytes(data)
         resp = await self.call(
             op,
@@ -472,7 +420,7 @@ class S3Store:
         return str(resp.get("ETag", ""))
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
-        await self._put("put", key, data)
+        await self.put_object("put", key, data)
 
     async def delete(self, key: str) -> None:
         await self.call("delete", key, "delete_object", Key=self.full_key(key))
@@ -496,10 +444,10 @@ class S3Store:
                     honoured = is_precondition(exc)
                     if not honoured:
                         log.info("conditional PutObject refused by %s: %s", self.url, exc)
-            except _CALL_ERRORS as exc:
+            except CALL_ERRORS as exc:
                 raise self.error(exc, "detect_conditional_writes", probe) from exc
             finally:
-                with contextlib.suppress(*_CALL_ERRORS):
+                with contextlib.suppress(*CALL_ERRORS):
                     await client.delete_object(Bucket=self.bucket, Key=full)
             self.conditional_writes = "native" if honoured else "emulate"
             self.atomic_conditional_writes = honoured
@@ -521,7 +469,7 @@ class S3Store:
         self.full_key(key)
         if await self._native():
             try:
-                await self._put("put_if_absent", key, data, IfNoneMatch="*")
+                await self.put_object("put_if_absent", key, data, IfNoneMatch="*")
             except StorageError as exc:
                 if is_precondition(exc.__cause__ or exc):
                     raise KeyExists(errno.EEXIST, "key already exists", self.where(key)) from exc
@@ -529,7 +477,7 @@ class S3Store:
             return
         if await self.exists(key):
             raise KeyExists(errno.EEXIST, "key already exists", self.where(key))
-        await self._put("put_if_absent", key, data)
+        await self.put_object("put_if_absent", key, data)
 
     async def put_if_match(self, key: str, data: bytes | memoryview, etag: str | None) -> str:
         self.full_key(key)
@@ -544,7 +492,7 @@ class S3Store:
         if await self._native():
             cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
             try:
-                return await self._put("put_if_match", key, data, **cond)
+                return await self.put_object("put_if_match", key, data, **cond)
             except StorageError as exc:
                 cause = exc.__cause__ or exc
                 if is_precondition(cause) or (etag is not None and is_missing(cause)):
@@ -557,7 +505,7 @@ class S3Store:
             current = None
         if current != etag:
             raise lost(current)
-        return await self._put("put_if_match", key, data)
+        return await self.put_object("put_if_match", key, data)
 
     def open_writer(self, key: str, size_hint: int | None = None) -> S3Writer:
         """Stream ``key`` as a multipart upload; ``size_hint`` (bytes) only picks a larger
@@ -567,20 +515,15 @@ class S3Store:
     async def list_incomplete(self, prefix: str) -> builtins.list[tuple[str, str, datetime]]:
         """(key, upload id, initiated) of multipart uploads under ``prefix``."""
         norm = check_prefix(prefix)
-        list_prefix = self._list_prefix(norm)
-        client = await self.client()
         found: builtins.list[tuple[str, str, datetime]] = []
-        try:
-            pages = client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=list_prefix
-            )
-            async for page in pages:
-                for up in page.get("Uploads", []):
-                    rel = self._rel(up["Key"])
-                    if rel is not None and key_in_prefix(rel, norm):
-                        found.append((rel, up["UploadId"], up["Initiated"]))
-        except _CALL_ERRORS as exc:
-            raise self.error(exc, "cleanup_incomplete", norm) from exc
+        pages = await self._pages(
+            "cleanup_incomplete", norm, "list_multipart_uploads", Prefix=self._list_prefix(norm)
+        )
+        for page in pages:
+            for up in page.get("Uploads", []):
+                rel = self._rel(up["Key"])
+                if rel is not None and key_in_prefix(rel, norm):
+                    found.append((rel, up["UploadId"], up["Initiated"]))
         return found
 
     async def abort_upload(self, key: str, upload_id: str) -> None:
@@ -618,4 +561,4 @@ def _drop_expect_continue(request: Any, **_: Any) -> None:
         del request.headers["Expect"]
 
 
-__all__ = ["MAX_PARTS", "MAX_PART_SIZE", "S3Store", "S3Writer", "crc32_b64"]
+__all__ = ["DEFAULT_PART_SIZE", "MAX_RANGE", "MIN_PART_SIZE", "S3Store", "range_size"]

@@ -5,6 +5,10 @@ memory stays at about ``(max_concurrency + 2) * part_size``; a blob smaller than
 becomes a single PUT at commit. The part size doubles every 1,000 parts (capped at 5 GiB), so
 a blob never hits S3's 10,000-part limit however large it grows. Every part carries a CRC32
 (``x-amz-checksum-crc32``, computed on a worker thread) that S3 verifies on receipt.
+
+The writer sends its requests through :class:`S3Requests` (which ``S3Store`` implements), so
+it knows nothing of the store beyond that small interface and this module imports nothing
+from the store's.
 """
 
 from __future__ import annotations
@@ -14,13 +18,10 @@ import base64
 import errno
 import logging
 import zlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from mithril_async.errors import StorageError
 from mithril_async.storage.base import WriterContext
-
-if TYPE_CHECKING:
-    from mithril_async.storage.s3 import S3Store
 
 log = logging.getLogger("mithril_async.storage.s3")
 
@@ -42,6 +43,30 @@ async def crc32_async(data: bytes | bytearray | memoryview) -> str:
     return await asyncio.to_thread(crc32_b64, data)
 
 
+class S3Requests(Protocol):
+    """The requests an :class:`S3Writer` sends, with their retries and error mapping."""
+
+    #: the initial part size in bytes
+    part_size: int
+    #: how many parts may upload at once
+    max_concurrency: int
+
+    def full_key(self, key: str) -> str:
+        """The object key of a store key (validated)."""
+
+    def where(self, key: str) -> str:
+        """``s3://bucket/prefix/key``, for error messages."""
+
+    async def call(self, op: str, key: str, method: str, nbytes: int = 0, **kwargs: Any) -> Any:
+        """Call the S3 client's ``method`` (``Bucket`` filled in); failures become
+        :class:`StorageError` naming ``op`` and ``key``."""
+
+    async def put_object(self, op: str, key: str, data: bytes | memoryview,
+                         **extra: Any) -> str:
+        """One PutObject of ``key`` with a CRC32; returns its ETag."""
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload; one already gone is not an error."""
 
 
 class S3Writer(WriterContext):
@@ -52,11 +77,11 @@ class S3Writer(WriterContext):
     waits for an in-flight CreateMultipartUpload so its upload id is never lost.
     """
 
-    def __init__(self, store: S3Store, key: str, size_hint: int | None) -> None:
+    def __init__(self, s3: S3Requests, key: str, size_hint: int | None) -> None:
         self.key = key
-        self._store = store
-        self._full = store.full_key(key)
-        base = store.part_size
+        self._s3 = s3
+        self._full = s3.full_key(key)
+        base = s3.part_size
         if size_hint:
             base = max(base, -(-size_hint // MAX_PARTS))
         self._base_part = min(base, MAX_PART_SIZE)
@@ -66,7 +91,7 @@ class S3Writer(WriterContext):
         self._parts_started = 0
         self._parts: dict[int, dict[str, Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(store.max_concurrency)
+        self._slots = asyncio.Semaphore(s3.max_concurrency)
         self._create: asyncio.Task[str] | None = None
         self._upload_id: str | None = None
         self._failure: BaseException | None = None
@@ -83,7 +108,7 @@ class S3Writer(WriterContext):
     def _check_open(self, op: str) -> None:
         if self._state != "open":
             raise StorageError(
-                errno.EINVAL, f"{op} on a {self._state} writer", self._store.where(self.key)
+                errno.EINVAL, f"{op} on a {self._state} writer", self._s3.where(self.key)
             )
 
     async def _fail_if_part_failed(self) -> None:
@@ -112,7 +137,7 @@ class S3Writer(WriterContext):
                     raise
 
     async def _start_upload(self) -> str:
-        resp = await self._store.call(
+        resp = await self._s3.call(
             "open_writer",
             self.key,
             "create_multipart_upload",
@@ -130,7 +155,7 @@ class S3Writer(WriterContext):
         number = self._parts_started + 1
         if number > MAX_PARTS:
             raise StorageError(
-                errno.EFBIG, f"blob needs more than {MAX_PARTS} parts", self._store.where(self.key)
+                errno.EFBIG, f"blob needs more than {MAX_PARTS} parts", self._s3.where(self.key)
             )
         await self._slots.acquire()
         if self._failure is not None:  # an earlier part failed for good: stop uploading
@@ -149,7 +174,7 @@ class S3Writer(WriterContext):
     async def _upload_part(self, number: int, part: bytes | bytearray, upload_id: str) -> None:
         try:
             crc = await crc32_async(part)
-            resp = await self._store.call(
+            resp = await self._s3.call(
                 "write",
                 self.key,
                 "upload_part",
@@ -170,7 +195,7 @@ class S3Writer(WriterContext):
         try:
             await self._fail_if_part_failed()
             if self._create is None:  # smaller than one part: a single PUT
-                await self._store._put("commit", self.key, bytes(self._buf[: self._fill]))
+                await self._s3.put_object("commit", self.key, bytes(self._buf[: self._fill]))
             else:
                 if self._fill:
                     await self._submit(bytes(self._buf[: self._fill]))
@@ -179,7 +204,7 @@ class S3Writer(WriterContext):
                     await asyncio.wait(set(self._tasks))
                 await self._fail_if_part_failed()
                 parts = [self._parts[n] for n in range(1, self._parts_started + 1)]
-                resp = await self._store.call(
+                resp = await self._s3.call(
                     "commit",
                     self.key,
                     "complete_multipart_upload",
@@ -191,7 +216,7 @@ class S3Writer(WriterContext):
                     raise StorageError(
                         errno.EIO,
                         f"CompleteMultipartUpload returned no ETag: {resp!r}",
-                        self._store.where(self.key),
+                        self._s3.where(self.key),
                     )
         except BaseException:
             await self.abort()
@@ -217,11 +242,11 @@ class S3Writer(WriterContext):
                 self._upload_id = self._create.result()
         if self._upload_id is not None:
             try:
-                await asyncio.shield(self._store.abort_upload(self.key, self._upload_id))
+                await asyncio.shield(self._s3.abort_upload(self.key, self._upload_id))
             except Exception as exc:
                 log.warning(
                     "could not abort multipart upload %s of %s: %s (cleanup_incomplete will)",
                     self._upload_id,
-                    self._store.where(self.key),
+                    self._s3.where(self.key),
                     exc,
                 )

@@ -1,12 +1,40 @@
-"""The shared Store conformance suite: every backend must pass exactly these tests.
+"""The Store conformance suite: every backend must pass exactly these tests, and so can yours.
 
-A backend's test module subclasses :class:`StoreConformance` and provides a ``factory``
-fixture returning a :class:`StoreFactory`: ``factory.new()`` opens a fresh store object on the
-*same* location each time (so "two writers" can be two processes' worth of store objects), and
-every test gets its own empty location.
+A backend's test module subclasses :class:`StoreTests` and provides a ``factory`` fixture
+returning a :class:`StoreFactory`: ``factory.new()`` opens a fresh store object on the *same*
+location each time (so "two writers" can be two processes' worth of store objects), and every
+test gets its own empty location. The factory also declares what the tests may expect of the
+backend (``spill_size``, ``large_size``, ``knows_upload_age``). To run the suite against your
+own store, put this in a test module (pytest is needed, and only here)::
+
+    from dataclasses import dataclass
+    from pathlib import Path
+
+    import pytest
+
+    from mithril_async.testing.store import StoreTests
+    from mypackage import MyStore
+
+
+    @dataclass
+    class MyFactory:
+        root: Path
+        spill_size: int = 0  # bytes a writer buffers before anything exists server-side
+        large_size: int = 5 << 20  # a blob spanning several parts / many writes
+        knows_upload_age: bool = True  # cleanup_incomplete honours ``older_than``
+
+        def new(self) -> MyStore:
+            return MyStore(self.root)
+
+
+    class TestMyStore(StoreTests):
+        @pytest.fixture
+        def factory(self, tmp_path: Path) -> MyFactory:
+            return MyFactory(tmp_path / "store")
 
 Tests are plain sync functions running one ``asyncio.run`` each, so no pytest async plugin is
-needed and each store lives in exactly one event loop.
+needed and each store lives in exactly one event loop. ``StoreTests`` itself is not collected
+(its name does not start with ``Test``).
 """
 
 from __future__ import annotations
@@ -14,9 +42,13 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
-import pytest
+try:
+    import pytest
+except ImportError as exc:  # pragma: no cover - the suite is only imported by tests
+    raise ImportError("mithril_async.testing.store needs pytest (pip install pytest)") from exc
 
 from mithril_async.errors import (
     KeyExists,
@@ -25,7 +57,17 @@ from mithril_async.errors import (
     StorageError,
     UnsafeKey,
 )
-from mithril_async.storage.base import BlobWriter, Store
+from mithril_async.storage.base import BlobWriter, DirListing, Store
+
+__all__ = [
+    "HOSTILE_KEYS",
+    "HOSTILE_PREFIXES",
+    "StoreFactory",
+    "StoreTests",
+    "expected_listing",
+    "payload",
+    "run",
+]
 
 HOSTILE_KEYS = [
     "",
@@ -43,6 +85,21 @@ HOSTILE_KEYS = [
     "a b",
     ".tmp-x",
     "a/.tmp-b",
+    "x" * 1025,
+]
+#: list/list_dir/cleanup prefixes every store refuses with UnsafeKey
+HOSTILE_PREFIXES = [
+    "../",
+    "/abs",
+    "a/../b",
+    "a//",
+    ".tmp-x/",
+    "a/.tmp-b/",
+    "//",
+    "./",
+    "a\\b/",
+    "a\x00b",
+    "a b/",
     "x" * 1025,
 ]
 
@@ -76,11 +133,24 @@ def run(factory: StoreFactory, body: Callable[[Store], Awaitable[Any]]) -> Any:
 
 
 def payload(n: int, seed: int = 0) -> bytes:
+    """``n`` reproducible pseudo-random bytes."""
     return random.Random(seed).randbytes(n)
 
 
-class StoreConformance:
-    """Subclass as ``TestXxxStore`` and provide a ``factory`` fixture."""
+def expected_listing(keys: list[str], prefix: str) -> DirListing:
+    """What ``list_dir(prefix)`` must answer for a store holding exactly ``keys``."""
+    head = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    for key in keys:
+        if key.startswith(head):
+            name, sep, _ = key[len(head) :].partition("/")
+            (dirs if sep else files).add(name)
+    return DirListing(sorted(files), sorted(dirs))
+
+
+class StoreTests:
+    """Subclass as ``TestXxxStore`` and provide a ``factory`` fixture (see module doc)."""
 
     @pytest.fixture
     def factory(self) -> StoreFactory:  # pragma: no cover - overridden
@@ -102,7 +172,7 @@ class StoreConformance:
             assert await s.get("a/b/c.bin") == b"hello"
             await s.put("a/b/c.bin", memoryview(b"world!"))
             assert await s.get("a/b/c.bin") == b"world!"
-            await s.put("a/b/c.bin", bytearray(b"x"))
+            await s.put("a/b/c.bin", bytearray(b"x"))  # type: ignore[arg-type]  # accepted too
             assert await s.get("a/b/c.bin") == b"x"
             await s.put("empty", b"")
             assert await s.get("empty") == b""
@@ -181,6 +251,78 @@ class StoreConformance:
 
         run(factory, body)
 
+    def test_list_dir_lists_one_level(self, factory: StoreFactory) -> None:
+        keys = ["a/bc", "a/b/c", "a/b/d/e", "b", "ab/x", "top"]
+
+        async def body(s: Store) -> None:
+            assert await s.list_dir("") == DirListing([], [])
+            for k in keys:
+                await s.put(k, k.encode())
+            listing = await s.list_dir("")
+            assert isinstance(listing, DirListing)
+            assert listing == DirListing(["b", "top"], ["a", "ab"])
+            assert await s.list_dir("/") == listing
+            assert await s.list_dir("a") == DirListing(["bc"], ["b"])
+            assert await s.list_dir("a/") == DirListing(["bc"], ["b"])
+            assert await s.list_dir("a/b") == DirListing(["c"], ["d"])
+            assert await s.list_dir("a/b/d/") == DirListing(["e"], [])
+            assert await s.list_dir("ab") == DirListing(["x"], [])
+            for not_a_folder in ("a/bc", "a/b/c/", "b", "zzz", "zzz/y/", "a/b/d/e"):
+                assert await s.list_dir(not_a_folder) == DirListing([], []), not_a_folder
+
+        run(factory, body)
+
+    def test_list_dir_agrees_with_list(self, factory: StoreFactory) -> None:
+        """At every folder, ``list_dir`` is the first level of what ``list`` returns."""
+        rng = random.Random(5)
+        names = ["a", "b", "v000001", "x.json", "_c", "a=b", "A"]
+        keys = sorted({"/".join(rng.choice(names) + str(i % 2) for i in range(rng.randint(1, 4)))
+                       for _ in range(25)})
+        keys = [k for k in keys if not any(o.startswith(k + "/") for o in keys)]  # no file+dir
+
+        async def body(s: Store) -> None:
+            await asyncio.gather(*(s.put(k, b"") for k in keys))
+            assert await s.list("") == keys
+            folders = {""} | {k.rsplit("/", i)[0] for k in keys for i in range(1, k.count("/") + 1)}
+            for folder in sorted(folders):
+                assert await s.list_dir(folder) == expected_listing(keys, folder), folder
+                below = await s.list(folder)
+                assert await s.list_dir(folder + "/") == expected_listing(below, folder), folder
+
+        run(factory, body)
+
+    def test_list_dir_folders_exist_only_with_keys(self, factory: StoreFactory) -> None:
+        async def body(s: Store) -> None:
+            await s.put("keep", b"k")
+            w = s.open_writer("pending/deep/blob")
+            await w.write(payload(factory.spill_size + 1000))
+            assert await s.list_dir("") == DirListing(["keep"], [])  # nothing committed yet
+            assert await s.list_dir("pending") == DirListing([], [])
+            await w.commit()
+            assert await s.list_dir("") == DirListing(["keep"], ["pending"])
+            assert await s.list_dir("pending") == DirListing([], ["deep"])
+            assert await s.list_dir("pending/deep") == DirListing(["blob"], [])
+            aborted = s.open_writer("aborted/blob")
+            await aborted.write(payload(factory.spill_size + 1000))
+            await aborted.abort()
+            await s.delete("pending/deep/blob")
+            assert await s.list_dir("") == DirListing(["keep"], [])
+            assert await s.list_dir("pending/") == DirListing([], [])
+
+        run(factory, body)
+
+    def test_list_dir_refuses_hostile_prefixes(self, factory: StoreFactory) -> None:
+        async def body(s: Store) -> None:
+            await s.put("a/b", b"x")
+            for prefix in HOSTILE_PREFIXES:
+                with pytest.raises(UnsafeKey):
+                    await s.list_dir(prefix)
+                with pytest.raises(UnsafeKey):
+                    await s.list(prefix)
+            assert await s.list_dir("") == DirListing([], ["a"])
+
+        run(factory, body)
+
     def test_delete(self, factory: StoreFactory) -> None:
         async def body(s: Store) -> None:
             await s.put("x/y/z", b"1")
@@ -201,15 +343,15 @@ class StoreConformance:
         async def body(s: Store) -> None:
             for key in HOSTILE_KEYS:
                 calls: list[Callable[[], Awaitable[Any]]] = [
-                    lambda k=key: s.get(k),
-                    lambda k=key: s.get_range(k, 0, 1),
-                    lambda k=key: s.size(k),
-                    lambda k=key: s.exists(k),
-                    lambda k=key: s.put(k, b"x"),
-                    lambda k=key: s.put_if_absent(k, b"x"),
-                    lambda k=key: s.get_with_etag(k),
-                    lambda k=key: s.put_if_match(k, b"x", None),
-                    lambda k=key: s.delete(k),
+                    partial(s.get, key),
+                    partial(s.get_range, key, 0, 1),
+                    partial(s.size, key),
+                    partial(s.exists, key),
+                    partial(s.put, key, b"x"),
+                    partial(s.put_if_absent, key, b"x"),
+                    partial(s.get_with_etag, key),
+                    partial(s.put_if_match, key, b"x", None),
+                    partial(s.delete, key),
                 ]
                 for call in calls:
                     with pytest.raises(UnsafeKey):
