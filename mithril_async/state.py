@@ -177,8 +177,13 @@ def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 
 
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+def decode_rng_state(text: str) -> torch.Tensor:
+    """A torch/CUDA generator state (uint8 tensor) from its base64 form in :func:`capture_rng`.
+
+    Public for readers that hand the states to another loader (the Hugging Face checkpoint
+    writer) instead of :func:`restore_rng`.
+    """
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
 def capture_rng() -> dict[str, Any]:
@@ -201,6 +206,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     npst = state["numpy"]
     np.random.set_state((npst[0], np.asarray(npst[1], dtype=np.uint32), *npst[2:]))
-    torch.set_rng_state(_unb64(state["torch"]))
+    torch.set_rng_state(decode_rng_state(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        torch.cuda.set_rng_state_all([decode_rng_state(s) for s in state["cuda"]])

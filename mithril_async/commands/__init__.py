@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-MODULES = ("ls", "inspect", "verify", "restore", "gc", "compress", "decompress")
+MODULES = ("ls", "inspect", "verify", "restore", "gc", "compress", "decompress", "analyze")
 
 
 def add_all(sub: Any) -> None:

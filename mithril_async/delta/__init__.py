@@ -1,41 +1,32 @@
-"""Delta checkpoints: sparse per-step deltas of training (seed 003), exact reconstruction at
-any recorded step, and training-dynamics analysis.
+"""Former name of :mod:`mithril_async.step_deltas`, kept so existing imports keep working.
 
-The Hugging Face callback is imported lazily (``from mithril_async.delta import
-SparseDeltaCallback``) so that ``transformers`` stays optional.
+``from mithril_async.delta import SparseDeltaRecorder`` (and the lazily imported
+``SparseDeltaCallback``) give the very objects of :mod:`mithril_async.step_deltas`; new code
+imports that package. The manager's delta chains moved to :mod:`mithril_async.pipeline.chain`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mithril_async.delta.analysis import AnalysisReport, analyze_delta_dir
-from mithril_async.delta.reconstruct import (
-    iter_deltas,
-    read_metadata,
-    reconstruct_weights_at_step,
-)
-from mithril_async.delta.recorder import SparseDeltaRecorder, StepSummary
-from mithril_async.delta.sparse import SparseLayerDelta, load_sparse_delta
+from mithril_async import step_deltas as _step_deltas
+from mithril_async.step_deltas import AnalysisReport as AnalysisReport
+from mithril_async.step_deltas import SparseDeltaRecorder as SparseDeltaRecorder
+from mithril_async.step_deltas import SparseLayerDelta as SparseLayerDelta
+from mithril_async.step_deltas import StepSummary as StepSummary
+from mithril_async.step_deltas import analyze_delta_dir as analyze_delta_dir
+from mithril_async.step_deltas import compute_analysis as compute_analysis
+from mithril_async.step_deltas import iter_deltas as iter_deltas
+from mithril_async.step_deltas import load_sparse_delta as load_sparse_delta
+from mithril_async.step_deltas import read_metadata as read_metadata
+from mithril_async.step_deltas import reconstruct_weights_at_step as reconstruct_weights_at_step
+from mithril_async.step_deltas import write_outputs as write_outputs
+
+__all__ = _step_deltas.__all__
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SparseDeltaCallback":
-        from mithril_async.delta.hf_callback import SparseDeltaCallback
-
-        return SparseDeltaCallback
+    """Names :mod:`mithril_async.step_deltas` imports lazily (``SparseDeltaCallback``)."""
+    if name in __all__:
+        return getattr(_step_deltas, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "AnalysisReport",
-    "SparseDeltaCallback",
-    "SparseDeltaRecorder",
-    "SparseLayerDelta",
-    "StepSummary",
-    "analyze_delta_dir",
-    "iter_deltas",
-    "load_sparse_delta",
-    "read_metadata",
-    "reconstruct_weights_at_step",
-]

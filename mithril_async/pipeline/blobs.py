@@ -30,7 +30,6 @@ from mithril_async.codec.safetensors_io import safetensors_header
 from mithril_async.codec.state_dict import decode_tensors, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
-from mithril_async.lossy.serial import checkpoint_from_bytes
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.partial import read_partial
 from mithril_async.storage.base import BlobWriter, Store
@@ -39,6 +38,9 @@ from mithril_async.storage.deferred import DeferredWriter
 SKELETON_KEY = "mithril.skeleton"
 ITEM_KEY = "mithril.item"
 REFS_KEY = "mithril.refs"
+#: blob formats :meth:`BlobCodec.read` decodes; the lossy tier's "mldc" is read by
+#: pipeline/lossy.py, so this module never depends on :mod:`mithril_async.lossy`
+LOSSLESS_FORMATS = ("mckp", "safetensors")
 #: smallest chunk size ``auto_chunk`` picks for a small blob
 MIN_AUTO_CHUNK = 1 << 20
 
@@ -294,6 +296,11 @@ class BlobCodec:
         when their blocks are a small part of the blob only they are read (ranged reads,
         :mod:`~mithril_async.pipeline.partial`), else the whole blob is read and hashed.
         """
+        if ref.format not in LOSSLESS_FORMATS:
+            # lossy (MLDC) blobs decode only along their chain, in pipeline/lossy.py
+            # (read_lossy_chain; read_lossy_blob checks one): this codec stays lossless
+            raise InvalidFormat(f"{ref.key}: a {ref.format!r} blob, not one this codec reads "
+                                f"({', '.join(LOSSLESS_FORMATS)})")
         size = await store.size(ref.key)  # before reading: a huge file costs no memory
         if size != ref.bytes:
             raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
@@ -312,15 +319,6 @@ class BlobCodec:
                 raise ChecksumMismatch(ref.key, ref.xxh64, digest)
             if ref.format == "safetensors":
                 return await loop.run_in_executor(self.pool, _decode_safetensors, data, ref.key)
-            if ref.format == "mldc":
-                # a lossy blob decodes only along its chain (pipeline/lossy.py
-                # read_lossy_chain); here it is parsed and validated, so `mithril verify`
-                # checks it like any blob
-                try:
-                    await loop.run_in_executor(self.pool, checkpoint_from_bytes, data)
-                except InvalidFormat as err:
-                    raise InvalidFormat(f"{ref.key}: {err}") from None
-                return None, {}
             info = await loop.run_in_executor(self.pool, lambda: read_info(data, verify=False))
             whole = memoryview(data).cast("B")
 

@@ -39,6 +39,7 @@ from mithril_async.lossy.lossy_delta import (
 from mithril_async.lossy.serial import checkpoint_from_bytes, checkpoint_to_bytes
 from mithril_async.manifest import (
     BaseRef,
+    BlobRef,
     LossyEntry,
     ShardRef,
     VersionManifest,
@@ -47,7 +48,7 @@ from mithril_async.manifest import (
 from mithril_async.pipeline.blobs import StagedItem
 from mithril_async.storage.base import Store
 
-__all__ = ["LossyTrack", "lossy_roles", "merge_lossy", "read_lossy_chain"]
+__all__ = ["LossyTrack", "lossy_roles", "merge_lossy", "read_lossy_blob", "read_lossy_chain"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_CHAIN = 100_000
@@ -182,8 +183,14 @@ async def write_lossy(store: Store, key: str, ckpt: LossyCheckpoint, base: BaseR
                     raw_bytes=ckpt.raw_bytes, base=None if ckpt.keyframe else base)
 
 
-async def _read_blob(store: Store, ref: ShardRef | BaseRef, size: int | None,
-                     pool: Executor) -> LossyCheckpoint:
+async def read_lossy_blob(store: Store, ref: BlobRef | BaseRef, size: int | None,
+                          pool: Executor) -> LossyCheckpoint:
+    """Fetch one MLDC blob, check its size (when given) and xxh64, and parse it.
+
+    Parsing validates the whole container (its own trailing hash, every range, dtypes), so
+    this is also how a reader that does not decode the chain (``mithril verify``) checks a
+    lossy blob; :class:`~mithril_async.pipeline.blobs.BlobCodec` reads lossless blobs only.
+    """
     if size is not None:
         got_size = await store.size(ref.key)  # before reading: a huge file costs no memory
         if got_size != size:
@@ -243,7 +250,7 @@ async def read_lossy_chain(store: Store, m: VersionManifest, rank: int, pool: Ex
     out: dict[str, torch.Tensor] = {}
     for link in reversed(links):
         try:
-            ckpt = await _read_blob(store, link, link.bytes, pool)
+            ckpt = await read_lossy_blob(store, link, link.bytes, pool)
         except KeyNotFound:
             raise MissingPrevious(f"{m.version_id} needs lossy blob {link.key}, which is "
                                   "gone") from None

@@ -23,8 +23,8 @@ from mithril_async import (
 from mithril_async.codec import compress_state_dict, decompress_state_dict, read_info
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import tensor_bytes
-from mithril_async.delta import choice
 from mithril_async.pipeline import blobs
+from mithril_async.pipeline import delta_choice as choice
 
 G = torch.Generator().manual_seed(0)
 

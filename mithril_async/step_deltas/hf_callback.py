@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from mithril_async.delta.recorder import SparseDeltaRecorder
+from mithril_async.step_deltas.recorder import SparseDeltaRecorder
 
 
 class SparseDeltaCallback(TrainerCallback):

@@ -28,9 +28,9 @@ import xxhash
 
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import dtype_name, tensor_bytes
-from mithril_async.delta.choice import delta_pays
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.blobs import EncodePlan, TensorRef
+from mithril_async.pipeline.delta_choice import delta_pays
 from mithril_async.pipeline.stager import StagingArea
 
 
@@ -40,7 +40,7 @@ class ChainPolicy:
     dedup: bool = False
     keyframe_interval: int = 8
     delta_base: str = "previous"  # or "keyframe"
-    #: a tensor is a delta only if estimated to save this much of its full size (choice.py)
+    #: a tensor is a delta only if estimated to save this much of its full size (delta_choice.py)
     min_gain: float = 0.0
     byte_grouping: bool = True
 
@@ -90,7 +90,7 @@ def _raw(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
               ) -> tuple[EncodePlan, dict[str, int]]:
     """Decide per tensor: reference (unchanged), XOR delta against the base (when that is
-    estimated to pay, :func:`~mithril_async.delta.choice.delta_pays`), or full.
+    estimated to pay, :func:`~mithril_async.pipeline.delta_choice.delta_pays`), or full.
 
     Returns the plan and the raw xxh64 of every tensor stored in full (for later dedup).
     Runs on a worker thread: bytewise comparisons and hashes are memory-bound C loops.

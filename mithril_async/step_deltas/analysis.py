@@ -21,16 +21,19 @@ Definitions (``N`` = total tracked parameters, ``mask_t`` = positions changed at
 - reuse: how many parameters were changed in exactly n steps (a histogram).
 
 Memory is O(stored nonzeros) (the COO pieces of every step are held as numpy arrays) plus a
-few bytes per parameter of the largest layer (:mod:`mithril_async.delta.dynamics`). The
+few bytes per parameter of the largest layer (:mod:`mithril_async.step_deltas.dynamics`). The
 mask-overlap matrix covers at most ``max_overlap_steps`` evenly spaced steps and is estimated
 on a hashed subset of positions when exact counting would exceed ``overlap_budget`` lookups
 (``mask_overlap.sampled_fraction`` in ``analysis.json`` says which).
+
+This module only computes: :func:`compute_analysis` returns an :class:`AnalysisReport` and
+writes nothing. Writing it out (CSV, JSON, plots) is :mod:`mithril_async.step_deltas.report`'s
+job, which imports this module and never the other way round, so the metrics can be used (and
+tested) without touching the file system.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -39,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from mithril_async.delta.dynamics import Pieces, Totals, accumulate_layer, overlap_fraction
-from mithril_async.delta.reconstruct import iter_deltas, read_metadata
-from mithril_async.delta.sparse import bits_view
 from mithril_async.errors import InvalidFormat
+from mithril_async.step_deltas.dynamics import Pieces, Totals, accumulate_layer, overlap_fraction
+from mithril_async.step_deltas.reconstruct import iter_deltas, read_metadata
+from mithril_async.step_deltas.sparse import bits_view
 
 
 @dataclass
@@ -54,7 +57,7 @@ class _Step:
 
 @dataclass
 class AnalysisReport:
-    """Everything :func:`analyze_delta_dir` computed; ``to_json()`` is ``analysis.json``."""
+    """Everything :func:`compute_analysis` computed; ``to_json()`` is ``analysis.json``."""
 
     delta_dir: str
     dtype: str
@@ -134,21 +137,18 @@ def _layer_numel(meta: dict[str, Any], delta_dir: str) -> dict[str, int]:
 # --- the analysis ----------------------------------------------------------------------------
 
 
-def analyze_delta_dir(
+def compute_analysis(
     delta_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str] | None = None,
     k_values: Sequence[int] = (1, 5, 10),
     *,
     k_stride: int = 1,
     max_overlap_steps: int = 64,
     overlap_budget: float = 3e8,
-    plots: bool = True,
 ) -> AnalysisReport:
-    """Compute the metrics of the module docstring; with ``out_dir`` write CSV/JSON/PNGs.
+    """Compute the metrics of the module docstring from the deltas in ``delta_dir``.
 
-    Files: ``per_step.csv``, ``layers.csv``, ``k_step.csv``, ``analysis.json`` and (with
-    ``plots``) ``sparsity_heatmap.png``, ``update_magnitude.png``, ``mask_overlap.png``,
-    ``k_step_sparsity.png``.
+    Reads only; to write the report see
+    :func:`~mithril_async.step_deltas.report.analyze_delta_dir`.
     """
     if any(k < 1 for k in k_values) or k_stride < 1:
         raise ValueError(f"K values and stride must be >= 1, got {list(k_values)}, {k_stride}")
@@ -252,8 +252,6 @@ def analyze_delta_dir(
         overlap_sampled_fraction=tot.overlap_fraction,
     )
     report.summary = _summary(report, list(k_values))
-    if out_dir is not None:
-        write_outputs(report, out_dir, plots=plots)
     return report
 
 
@@ -302,40 +300,3 @@ def _summary(r: AnalysisReport, k_values: list[int]) -> dict[str, Any]:
         "reuse_histogram": {str(k): v for k, v in sorted(r.reuse_histogram.items())},
     }
 
-
-def _write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("")
-        return
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in row.items()})
-
-
-def write_outputs(
-    report: AnalysisReport, out_dir: str | os.PathLike[str], plots: bool = True
-) -> list[str]:
-    """Write the CSV/JSON (and PNG) files of ``report`` into ``out_dir``; return their paths."""
-    out = os.fspath(out_dir)
-    os.makedirs(out, exist_ok=True)
-    written = []
-    for name, rows in (
-        ("per_step.csv", report.per_step),
-        ("layers.csv", report.layer_rows),
-        ("k_step.csv", report.k_step),
-    ):
-        path = os.path.join(out, name)
-        _write_csv(path, rows)
-        written.append(path)
-    path = os.path.join(out, "analysis.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report.to_json(), f, indent=1)
-    written.append(path)
-    if plots:
-        from mithril_async.delta.plots import plot_all
-
-        written += plot_all(report, out)
-    return written

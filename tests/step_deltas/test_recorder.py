@@ -5,18 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from mithril_async.delta import (
-    SparseDeltaRecorder,
-    load_sparse_delta,
-    read_metadata,
-    reconstruct_weights_at_step,
-)
 from mithril_async.errors import (
     MissingPrevious,
     MithrilError,
@@ -27,22 +22,32 @@ from mithril_async.errors import (
     UnsupportedDtype,
     VersionNotFound,
 )
+from mithril_async.step_deltas import (
+    SparseDeltaRecorder,
+    load_sparse_delta,
+    read_metadata,
+    reconstruct_weights_at_step,
+)
 from mithril_async.storage.local import LocalStore
-from tests.delta._training import TinyLM, bits_equal, make_optimizer, snapshot, train
+from tests.step_deltas._training import TinyLM, bits_equal, make_optimizer, snapshot, train
 
 STEPS = 16
 CHECK_AT = (1, 2, 7, STEPS)
 
 
 class SlowStore:
-    """Delegates to a LocalStore after sleeping in every put (writes fall behind)."""
+    """Delegates to a LocalStore after sleeping in every put (writes fall behind); with
+    ``held``, puts of delta files wait until it is set (writes held back by the test)."""
 
-    def __init__(self, root: Path, delay: float) -> None:
+    def __init__(self, root: Path, delay: float, held: threading.Event | None = None) -> None:
         self.inner = LocalStore(root, durable=False)
         self.delay = delay
+        self.held = held
         self.puts: list[str] = []
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
+        if self.held is not None and key.startswith("delta_"):
+            await asyncio.to_thread(self.held.wait)
         await asyncio.sleep(self.delay)
         await self.inner.put(key, data)
         self.puts.append(key)
@@ -55,14 +60,19 @@ class SlowStore:
 
 
 class FailingStore(SlowStore):
-    """Fails the put of one key (and only that one)."""
+    """Fails the put of one key (and only that one); with ``gate``, only once it is set, so
+    whatever is recorded meanwhile queues behind the failing write however fast training is."""
 
-    def __init__(self, root: Path, fail_key: str, delay: float = 0.0) -> None:
+    def __init__(self, root: Path, fail_key: str, delay: float = 0.0,
+                 gate: threading.Event | None = None) -> None:
         super().__init__(root, delay)
         self.fail_key = fail_key
+        self.gate = gate
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         if key == self.fail_key:
+            if self.gate is not None:
+                await asyncio.to_thread(self.gate.wait)
             raise StorageError(f"injected failure writing {key}")
         await super().put(key, data)
 
@@ -164,39 +174,53 @@ def load_base_head(path: Path) -> torch.Tensor:
     return t
 
 
+def _nudge(model: TinyLM, by: float) -> None:
+    """A weight change for record() to find (no optimizer needed)."""
+    with torch.no_grad():
+        model.head.bias.add_(by)
+
+
 def test_backpressure_record_returns_fast(tmp_path: Path) -> None:
-    """Writes take 0.15 s each; record() returns in milliseconds until the queue is full,
-    then waits (bounded memory) instead of queueing without limit."""
+    """With every delta write held back, record() returns at once until ``max_pending``
+    deltas are queued; the next one waits for a slot (bounded memory) instead of queueing
+    without limit, and goes on once a write finishes."""
     model = TinyLM()
-    opt = make_optimizer(model, "adamw")
-    store = SlowStore(tmp_path, delay=0.15)
+    release = threading.Event()
+    store = SlowStore(tmp_path, delay=0.0, held=release)
     rec = SparseDeltaRecorder(model, tmp_path, dtype=torch.bfloat16, store=store, max_pending=2)
     blocked: list[float] = []
-    train(model, opt, 6, lambda s: (blocked.append(rec.record(s).blocked_seconds), None)[1])
-    assert blocked[0] < 0.1  # the first record never waits for a write
-    assert max(blocked) > 0.05  # later ones waited for a slot: back-pressure
+    for step in (1, 2):  # returns although no delta write can finish: never waits for one
+        _nudge(model, 1.0)
+        blocked.append(rec.record(step).blocked_seconds)
+    assert rec._queued == 2 and not [k for k in store.puts if k.startswith("delta_")]
+    third: list[float] = []
+    _nudge(model, 1.0)
+    waiter = threading.Thread(target=lambda: third.append(rec.record(3).blocked_seconds))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and rec._queued == 2  # the queue is full: record(3) waits
+    release.set()
+    waiter.join(timeout=120)
+    assert not waiter.is_alive() and third[0] > 0.0
     assert rec._queued <= 2
-    t0 = time.perf_counter()
     rec.close()
-    assert time.perf_counter() - t0 < 2.0
     assert sorted(k for k in store.puts if k.startswith("delta_")) == [
-        f"delta_{s:06d}.mckp" for s in range(1, 7)
+        f"delta_{s:06d}.mckp" for s in range(1, 4)
     ]
-    assert len(read_metadata(tmp_path)["checkpoints"]) == 6
-    assert rec.blocked_seconds == pytest.approx(sum(blocked))
+    assert len(read_metadata(tmp_path)["checkpoints"]) == 3
+    assert rec.blocked_seconds == pytest.approx(sum(blocked) + third[0])
 
 
 def test_record_does_not_wait_for_writes(tmp_path: Path) -> None:
-    """With room in the queue, record() returns long before the (slow) write is durable."""
+    """With room in the queue, record() returns before the (held back) write is durable."""
     model = TinyLM()
-    store = SlowStore(tmp_path, delay=0.3)
+    release = threading.Event()
+    store = SlowStore(tmp_path, delay=0.0, held=release)
     rec = SparseDeltaRecorder(model, tmp_path, store=store, max_pending=8)
-    with torch.no_grad():
-        model.head.bias.add_(1.0)
-    t0 = time.perf_counter()
-    rec.record(1)
-    assert time.perf_counter() - t0 < 0.25
+    _nudge(model, 1.0)
+    rec.record(1)  # would never return if it waited for the write
     assert not (tmp_path / "delta_000001.mckp").exists()
+    release.set()
     rec.close()
     assert (tmp_path / "delta_000001.mckp").exists()
 
@@ -207,7 +231,7 @@ def test_background_error_surfaces(tmp_path: Path) -> None:
     store = FailingStore(tmp_path, fail_key="delta_000003.mckp")
     rec = SparseDeltaRecorder(model, tmp_path, store=store, max_pending=1)
     train(model, opt, 3, rec.record)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a safety net: failed is set once the write fails
     while not rec.failed and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(SaveFailed) as info:
@@ -282,7 +306,8 @@ def test_failure_with_queued_steps_keeps_an_intact_prefix(tmp_path: Path) -> Non
     model = TinyLM()
     opt = make_optimizer(model, "adamw")
     base = {k: v.detach().clone() for k, v in model.named_parameters()}
-    store = FailingStore(tmp_path, fail_key="delta_000003.mckp", delay=0.03)
+    trained = threading.Event()
+    store = FailingStore(tmp_path, fail_key="delta_000003.mckp", gate=trained)
     rec = SparseDeltaRecorder(model, tmp_path, store=store, max_pending=16)
     snaps: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -290,7 +315,10 @@ def test_failure_with_queued_steps_keeps_an_intact_prefix(tmp_path: Path) -> Non
         rec.record(step)
         snaps[step] = snapshot(model, torch.bfloat16)
 
-    train(model, opt, 8, after)
+    try:
+        train(model, opt, 8, after)
+    finally:
+        trained.set()  # steps 4..8 are queued behind step 3's write, which fails now
     with pytest.raises(SaveFailed):
         rec.close()
     assert [e["step"] for e in read_metadata(tmp_path)["checkpoints"]] == [1, 2]

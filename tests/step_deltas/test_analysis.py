@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mithril_async.cli import main
-from mithril_async.delta import analyze_delta_dir
-from mithril_async.delta.meta import build_metadata
-from mithril_async.delta.sparse import SparseLayerDelta, encode_delta
+from mithril_async.step_deltas import analyze_delta_dir, compute_analysis, write_outputs
+from mithril_async.step_deltas.meta import build_metadata
+from mithril_async.step_deltas.sparse import SparseLayerDelta, encode_delta
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,6 +112,17 @@ def test_k_stride_and_bad_k(tmp_path: Path) -> None:
     assert [row["start_step"] for row in r.k_step] == [1, 3]
     with pytest.raises(ValueError):
         analyze_delta_dir(d, None, k_values=(0,))
+
+
+def test_computing_writes_nothing_and_the_report_writes_what_it_computed(tmp_path: Path) -> None:
+    d = make_delta_dir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    r = compute_analysis(d, k_values=(1, 2))
+    assert sorted(tmp_path.rglob("*")) == before
+    paths = write_outputs(r, tmp_path / "out", plots=False)
+    assert [Path(p).name for p in paths] == ["per_step.csv", "layers.csv", "k_step.csv",
+                                             "analysis.json"]
+    assert json.loads(Path(paths[-1]).read_text()) == json.loads(json.dumps(r.to_json()))
 
 
 def test_cli_analyze_subprocess(tmp_path: Path) -> None:

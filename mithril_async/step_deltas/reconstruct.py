@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from mithril_async.delta.meta import METADATA_FORMAT, METADATA_KEY, METADATA_VERSION
-from mithril_async.delta.sparse import SparseLayerDelta, decode_tensors, read_delta_file
 from mithril_async.errors import (
     InvalidFormat,
     MissingPrevious,
@@ -26,6 +24,8 @@ from mithril_async.errors import (
     UnknownFormatVersion,
     VersionNotFound,
 )
+from mithril_async.step_deltas.meta import METADATA_FORMAT, METADATA_KEY, METADATA_VERSION
+from mithril_async.step_deltas.sparse import SparseLayerDelta, decode_tensors, read_delta_file
 
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
 

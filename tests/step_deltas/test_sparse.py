@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mithril_async.delta.sparse import (
+from mithril_async.errors import InvalidFormat, UnknownFormatVersion, UnsupportedDtype
+from mithril_async.step_deltas.sparse import (
     SparseLayerDelta,
     decode_delta,
     delta_to_tensors,
@@ -19,7 +20,6 @@ from mithril_async.delta.sparse import (
     load_sparse_delta,
     tensors_to_delta,
 )
-from mithril_async.errors import InvalidFormat, UnknownFormatVersion, UnsupportedDtype
 
 
 def test_diff_is_bitwise() -> None:

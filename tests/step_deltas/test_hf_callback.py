@@ -10,12 +10,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
-from mithril_async.delta import (  # noqa: E402
+from mithril_async.step_deltas import (  # noqa: E402
     SparseDeltaCallback,
     read_metadata,
     reconstruct_weights_at_step,
 )
-from tests.delta._training import bits_equal  # noqa: E402
+from tests.step_deltas._training import bits_equal  # noqa: E402
 
 
 class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

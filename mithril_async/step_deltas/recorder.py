@@ -25,7 +25,8 @@ Failures
     is written first, the metadata after it).
 
 ``metadata.json`` (seed 003, extended) is rewritten atomically after deltas land (coalesced
-when several are queued) and on :meth:`close`; see :func:`~mithril_async.delta.meta.build_metadata`.
+when several are queued) and on :meth:`close`; see
+:func:`~mithril_async.step_deltas.meta.build_metadata`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from typing import Any, Protocol
 
 import torch
 
-from mithril_async.delta.meta import (
+from mithril_async.errors import SaveFailed, StepAlreadyExists
+from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.step_deltas.meta import (
     BASE_KEY_STEM,
     EXT,
     METADATA_KEY,
@@ -50,15 +53,13 @@ from mithril_async.delta.meta import (
     build_metadata,
     delta_key,
 )
-from mithril_async.delta.sparse import (
+from mithril_async.step_deltas.sparse import (
     SparseLayerDelta,
     bits_view,
     diff_tensor,
     encode_delta,
     tensors_to_bytes,
 )
-from mithril_async.errors import SaveFailed, StepAlreadyExists
-from mithril_async.pipeline.loop import BackgroundLoop
 
 
 class _PutStore(Protocol):
@@ -100,7 +101,7 @@ class SparseDeltaRecorder:
     tensors are updated in place. ``dtype`` is the recorder dtype: deltas are exact in it.
     Frozen parameters are tracked too (they simply never change) unless
     ``include_frozen=False``. ``save_base`` writes the starting snapshot as ``base.*`` so
-    :func:`~mithril_async.delta.reconstruct.reconstruct_weights_at_step` needs no other input.
+    :func:`~mithril_async.step_deltas.reconstruct.reconstruct_weights_at_step` needs no other input.
     """
 
     def __init__(

@@ -1,18 +1,19 @@
-"""PNG plots of an :class:`~mithril_async.delta.analysis.AnalysisReport`.
+"""PNG plots of an :class:`~mithril_async.step_deltas.analysis.AnalysisReport`.
 
 matplotlib is imported lazily with the non-interactive Agg backend, so the analysis itself
-(and everything importing ``mithril_async.delta``) works without it and never needs a display.
+(and everything importing ``mithril_async.step_deltas``) works without it and never needs a
+display. Like :mod:`~mithril_async.step_deltas.report`, this module only writes what the
+analysis computed; the analysis does not import it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from mithril_async.delta.analysis import AnalysisReport
+from mithril_async.step_deltas.analysis import AnalysisReport
 
 _MAX_TICKS = 40
 
