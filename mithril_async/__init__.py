@@ -12,6 +12,7 @@ from mithril_async.errors import (
     CompressionError,
     ConfigError,
     DistributedError,
+    ErrorBoundExceeded,
     InvalidFormat,
     KeyExists,
     KeyNotFound,
@@ -32,7 +33,7 @@ from mithril_async.errors import (
 )
 from mithril_async.manager import CheckpointManager
 from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.retention import KeepBestN, KeepEveryNSteps, KeepLastN
+from mithril_async.retention import KeepAny, KeepBestN, KeepEveryNSteps, KeepLastN, Policy
 from mithril_async.state import TensorDict
 
 __version__ = "0.1.0"
@@ -46,7 +47,9 @@ __all__ = [
     "Config",
     "ConfigError",
     "DistributedError",
+    "ErrorBoundExceeded",
     "InvalidFormat",
+    "KeepAny",
     "KeepBestN",
     "KeepEveryNSteps",
     "KeepLastN",
@@ -54,6 +57,7 @@ __all__ = [
     "KeyNotFound",
     "MissingPrevious",
     "MithrilError",
+    "Policy",
     "PreconditionFailed",
     "SaveFailed",
     "SaveHandle",

@@ -72,6 +72,16 @@ class RunCatalog:
             out[n] = out.get(n, False) or rest[1] == "manifest.json"
         return out
 
+    async def _folder_numbers(self) -> list[int]:
+        """The numbers of the version folders present, committed or not."""
+        out = []
+        for name in (await self.store.list_dir(self.layout.versions_prefix)).dirs:
+            try:
+                out.append(version_number(name))
+            except InvalidFormat:
+                continue
+        return out
+
     async def read_manifest(self, key: str) -> VersionManifest:
         check_key(key)
         if not self.layout.owns(key):
@@ -79,7 +89,7 @@ class RunCatalog:
         cached = self._manifests.get(key)
         if cached is not None:
             return cached
-        data = await self._get_metadata(key)
+        data = await self.get_metadata(key)
         m = parse_model(VersionManifest, data, key)
         if m.run_id != self.layout.run_id:
             raise InvalidFormat(f"{key}: names run {m.run_id!r}, expected {self.layout.run_id!r}")
@@ -116,9 +126,11 @@ class RunCatalog:
         return out
 
     async def claim_version(self) -> int:
-        """Reserve the next free version number (atomic put_if_absent of a claim file)."""
-        nums = await self.version_numbers()
-        n = max(nums, default=0) + 1
+        """Reserve the next free version number (atomic put_if_absent of a claim file).
+
+        Only the version folders' names are needed, so one level is listed (``list_dir``),
+        not every blob key of the run; a number taken meanwhile just moves the claim on."""
+        n = max(await self._folder_numbers(), default=0) + 1
         claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                             "t": time.time()}).encode()
         for _ in range(1000):
@@ -134,7 +146,7 @@ class RunCatalog:
                 raise
         raise RuntimeError("could not claim a version number after 1000 attempts")
 
-    async def _get_metadata(self, key: str, *, size_only: bool = False) -> bytes:
+    async def get_metadata(self, key: str, *, size_only: bool = False) -> bytes:
         """A metadata file's bytes; one over ``MAX_METADATA_BYTES`` is refused before it is
         read, so a hostile (e.g. sparse, terabyte-sized) file costs no memory."""
         size = await self.store.size(key)
@@ -156,7 +168,7 @@ class RunCatalog:
         for n, committed in nums.items():
             if committed:
                 continue
-            if not await self._claim_is_stale(n, stale_after_s):
+            if not await self.claim_is_stale(n, stale_after_s):
                 continue
             for key in await self.store.list(self.layout.version_dir(n) + "/"):
                 await self.store.delete(key)
@@ -164,7 +176,7 @@ class RunCatalog:
         await self.store.cleanup_incomplete(self.layout.root + "/", orphan_age_s)
         return removed
 
-    async def _claim_is_stale(self, n: int, stale_after_s: float) -> bool:
+    async def claim_is_stale(self, n: int, stale_after_s: float) -> bool:
         try:
             info = json.loads(await self.store.get(self.layout.claim_key(n)))
         except (KeyNotFound, ValueError):
@@ -210,7 +222,7 @@ class RunCatalog:
     async def read_alias(self, name: str) -> AliasFile | None:
         key = self.layout.alias_key(name)
         try:
-            data = await self._get_metadata(key)
+            data = await self.get_metadata(key)
         except KeyNotFound:
             return None
         alias = parse_model(AliasFile, data, key)
@@ -224,7 +236,7 @@ class RunCatalog:
         key = self.layout.alias_key(name)
         for _ in range(_CAS_ATTEMPTS):
             try:
-                await self._get_metadata(key, size_only=True)
+                await self.get_metadata(key, size_only=True)
                 data, etag = await self.store.get_with_etag(key)
             except KeyNotFound:
                 data, etag = None, None
@@ -314,15 +326,20 @@ class RunCatalog:
         return moved
 
     # ---------------------------------------------------------------- run manifest
-    async def update_run_manifest(self, root_local: str | None, root_remote: str | None) -> None:
-        """Rewrite run.json from the committed versions and aliases (CAS, best effort)."""
-        versions = await self.versions(skip_damaged=True)
+    async def update_run_manifest(self, root_local: str | None, root_remote: str | None, *,
+                                  versions: list[VersionManifest] | None = None) -> None:
+        """Rewrite run.json from the committed versions and aliases (CAS, best effort).
+
+        ``versions``: the committed versions if the caller has just listed them (a commit
+        lists once for run.json and retention both)."""
+        if versions is None:
+            versions = await self.versions(skip_damaged=True)
         latest = await self.read_alias("latest")
         best = await self.read_alias("best")
         key = self.layout.run_manifest_key
         for _ in range(_CAS_ATTEMPTS):
             try:
-                await self._get_metadata(key, size_only=True)
+                await self.get_metadata(key, size_only=True)
                 data, etag = await self.store.get_with_etag(key)
                 created = parse_model(RunManifest, data, key).created_at
             except KeyNotFound:
@@ -390,3 +407,14 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def open_catalog(runs_dir: str | os.PathLike[str], run_id: str) -> RunCatalog:
+    """The catalog of ``<runs_dir>/<run_id>`` on local disk (keys relative to its parent), for
+    tools that read a run without a manager."""
+    from pathlib import Path
+
+    from mithril_async.storage.local import LocalStore
+
+    runs = Path(runs_dir).expanduser().absolute()
+    return RunCatalog(LocalStore(runs.parent), RunLayout(runs.name, run_id))

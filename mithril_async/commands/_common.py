@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from mithril_async.catalog import open_catalog
 from mithril_async.errors import VersionNotFound
-from mithril_async.integrations._reader import open_catalog
 
 if TYPE_CHECKING:
     from mithril_async.catalog import RunCatalog

@@ -44,14 +44,10 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
                    ) -> list[dict[str, Any]]:
     """What gc would delete in one run: [{kind, what, keys, bytes}]."""
     from mithril_async.manifest import version_number
-    from mithril_async.retention import (
-        KeepBestN,
-        KeepEveryNSteps,
-        KeepLastN,
-        Policy,
-        plan_retention,
-    )
+    from mithril_async.retention import from_options, plan_deletions
 
+    if args.keep_best and not args.metric:
+        raise ValueError("--keep-best needs --metric")
     cat = target.catalog(run_id)
     store, lay = cat.store, cat.layout
     out: list[dict[str, Any]] = []
@@ -59,7 +55,7 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
     for n, committed in sorted(nums.items()):
         keys = await store.list(lay.version_dir(n) + "/")
         if not committed:
-            if await cat._claim_is_stale(n, args.stale_hours * 3600):
+            if await cat.claim_is_stale(n, args.stale_hours * 3600):
                 out.append({"kind": "unfinished", "what": lay.version_dir(n), "keys": keys})
             continue
         m = await cat.read_manifest(lay.manifest_key(n))
@@ -67,28 +63,12 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
         orphans = [k for k in keys if k not in named]
         if orphans:
             out.append({"kind": "orphan", "what": lay.version_dir(n), "keys": orphans})
-    policies: list[Policy] = []
-    if args.keep_last:
-        policies.append(KeepLastN(args.keep_last))
-    if args.keep_best:
-        if not args.metric:
-            raise ValueError("--keep-best needs --metric")
-        policies.append(KeepBestN(args.keep_best, args.metric, args.mode))
-    if args.keep_every:
-        policies.append(KeepEveryNSteps(args.keep_every))
-    if policies:
-        versions = await cat.versions()
-        protected = set()
-        for name in ("latest", "best"):
-            alias = await cat.read_alias(name)
-            if alias is not None and alias.version_id:
-                protected.add(alias.version_id)
-        if versions:
-            protected.add(versions[-1].version_id)
-        _, delete = plan_retention(versions, policies, protected)
-        for vid in delete:
-            keys = await store.list(lay.version_dir(version_number(vid)) + "/")
-            out.append({"kind": "retention", "what": vid, "keys": keys})
+    policy = from_options(keep_last=args.keep_last, keep_best=args.keep_best,
+                          metric=args.metric, mode=args.mode,
+                          keep_every_n_steps=args.keep_every)
+    for v in await plan_deletions(cat, policy):
+        keys = await store.list(lay.version_dir(version_number(v.version_id)) + "/")
+        out.append({"kind": "retention", "what": v.version_id, "keys": keys})
     for item in out:
         item["bytes"] = sum([await _size(store, k) for k in item["keys"]])
     return out

@@ -40,12 +40,14 @@ def add_parser(sub: Any) -> None:
 async def read_tree(target: Target, version: str | None, item: str) -> tuple[Any, str, int]:
     """(state tree, version id, step) of ``item`` ("all" = every item) of a version."""
     from mithril_async.errors import VersionNotFound
-    from mithril_async.integrations._reader import read_version
+    from mithril_async.pipeline.reader import VersionReader
 
     run_id = target.run_ids[0]
     key = await resolve_version(target, run_id, version)
-    m, trees, _ = await read_version(target.catalog(run_id), key,
-                                     items=None if item == "all" else {item})
+    with VersionReader(target.catalog(run_id)) as reader:
+        got = await reader.read_version(key, items=None if item == "all" else {item},
+                                        rng=False)
+    m, trees = got.manifest, got.trees
     if item != "all" and item not in trees:
         names = ["model"] + (["optimizer"] if m.optimizer else []) + list(m.extra)
         raise VersionNotFound(f"{m.version_id} has no {item!r} state (it has: "

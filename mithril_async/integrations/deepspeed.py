@@ -13,9 +13,9 @@ in parallel, and ``commit`` waits for all of them, so ``latest`` never names a t
 are not durable; a failed write is raised by ``commit``. DeepSpeed states hold Python objects
 (loss scalers, config objects) that DeepSpeed itself pickles, so those leaves are pickled here
 too (``pickle_fallback``) and unpickled on load, as ``torch.load(weights_only=False)`` would.
-Plain DeepSpeed (``torch.save``) files still load. Not tested against ``deepspeed.initialize``
-here (no GPU, and DeepSpeed is kept out of the shared dev environment): see
-docs/INTEGRATIONS.md.
+Plain DeepSpeed (``torch.save``) files still load. DeepSpeed is not part of the dev
+environment: ``tests/integrations/test_deepspeed.py`` runs where it is installed and skips
+elsewhere (docs/INTEGRATIONS.md says how it was run).
 """
 
 from __future__ import annotations

@@ -147,19 +147,21 @@ class MithrilTrainerCallback(TrainerCallback):
     def prepare_resume(self, args: TrainingArguments, target: str | int = "latest"
                        ) -> str | None:
         """A Trainer checkpoint folder for ``target`` (None when the run has no version yet)."""
+        from mithril_async.catalog import open_catalog
         from mithril_async.errors import VersionNotFound
-        from mithril_async.integrations._reader import open_catalog, read_version
+        from mithril_async.pipeline.reader import VersionReader
 
         run_id = self._run_id(args)
         if not (Path(self.runs_path) / run_id / "versions").is_dir():
             return None
-        catalog = open_catalog(self.runs_path, run_id)
         try:
-            manifest, trees, rng_doc = asyncio.run(read_version(catalog, target))
+            with VersionReader(open_catalog(self.runs_path, run_id)) as reader:
+                got = asyncio.run(reader.read_version(target))
         except VersionNotFound:
             if target == "latest":
                 return None
             raise
+        manifest, trees, rng_doc = got.manifest, got.trees, got.rng
         out = Path(args.output_dir or ".") / "mithril-resume" / f"checkpoint-{manifest.step}"
         if out.exists():
             shutil.rmtree(out)
@@ -171,7 +173,7 @@ class MithrilTrainerCallback(TrainerCallback):
 def write_hf_checkpoint(out: Path, trees: dict[str, Any], rng_doc: dict[str, Any]) -> None:
     """Write the files ``Trainer._load_from_checkpoint`` and friends read."""
     from mithril_async.integrations.safetensors_file import flatten_tensors, write_safetensors
-    from mithril_async.state import _unb64
+    from mithril_async.state import decode_rng_state
 
     write_safetensors(flatten_tensors(trees["model"]), out / "model.safetensors",
                       {"format": "pt"})
@@ -188,9 +190,9 @@ def write_hf_checkpoint(out: Path, trees: dict[str, Any], rng_doc: dict[str, Any
         hf: dict[str, Any] = {
             "python": (py[0], tuple(py[1]), py[2]),
             "numpy": (npst[0], np.asarray(npst[1], dtype=np.uint32), *npst[2:]),
-            "cpu": _unb64(rng["torch"]),
+            "cpu": decode_rng_state(rng["torch"]),
         }
         if rng.get("cuda"):  # the Trainer saves one state, or a list when distributed
-            cuda = [_unb64(s) for s in rng["cuda"]]
+            cuda = [decode_rng_state(s) for s in rng["cuda"]]
             hf["cuda"] = cuda[0] if len(cuda) == 1 else cuda
         torch.save(hf, out / "rng_state.pth")

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from mithril_async.codec.chunk import CodecParams
-from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict, read_info
+from mithril_async.codec.state_dict import compress_state_dict
 from mithril_async.errors import InvalidFormat, SaveFailed
 from mithril_async.integrations._objects import pack_objects, unpack_objects
 from mithril_async.integrations.safetensors_file import atomic_output
+from mithril_async.pipeline.reader import read_tree_file
 from mithril_async.state import flatten_state, unflatten_state
 
 try:  # the unified package first, then the standalone one
@@ -87,11 +88,10 @@ def load_checkpoint_file(path: str | os.PathLike[str], map_location: Any = None,
     if data[:4] != b"MCKP":
         loaded: dict[str, Any] = torch.load(p, map_location=map_location, weights_only=False)
         return loaded
-    meta = read_info(data).metadata
+    meta, tensors = read_tree_file(data, str(p))
     skeleton = meta.get(SKELETON_KEY)
     if not isinstance(skeleton, str):
         raise InvalidFormat(f"{p}: MCKP file without a checkpoint skeleton")
-    tensors = decompress_state_dict(data, verify=False)  # parse above verified the whole blob
     device = _target_device(map_location)
     if device is not None:
         tensors = {k: v.to(device) for k, v in tensors.items()}
