@@ -22,6 +22,7 @@ from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, Sto
 from mithril_async.storage import DirListing, open_store
 from mithril_async.storage.s3 import MAX_RANGE, MIB, S3Store, crc32_b64, range_size
 from mithril_async.testing.store import StoreTests
+from mithril_async.testing.store import run as run_with_store
 from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
 from tests.storage.factories import S3Factory
 
@@ -33,14 +34,8 @@ class TestS3Store(StoreTests):
 
 
 def run(coro_fn: Any, factory: S3Factory) -> Any:
-    async def main() -> Any:
-        store = factory.new()
-        try:
-            return await coro_fn(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(main())
+    """The suite's runner, arguments in this module's order."""
+    return run_with_store(factory, coro_fn)
 
 
 @pytest.fixture
