@@ -159,13 +159,16 @@ class Fault:
     """Fail requests matching ``match``. ``action``: ``"500"``; ``"503"`` (SlowDown);
     ``"reset"`` (close the connection without answering); ``"stall"`` (answer nothing for
     3 s, then reset); ``"truncate"`` (forward, but cut the response body in half);
-    ``"200error"`` (a 200 OK whose body is an S3 <Error>); ``"delay"`` (forward after 0.3 s).
+    ``"200error"`` (a 200 OK whose body is an S3 <Error>); ``"delay"`` (forward after 0.3 s);
+    ``"hold"`` (answer nothing until :meth:`FaultProxy.clear` or ``released.set()``, then reset:
+    a request provably in flight for as long as a test needs, whatever the machine's speed).
     ``times=None`` fails forever."""
 
     match: Callable[[ProxyRequest], bool]
     action: str = "500"
     times: int | None = 1
     hits: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
 
 
 _ERROR_BODY = (
@@ -198,15 +201,16 @@ class FaultProxy:
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()
-        self._ready.wait(10)
+        assert self._ready.wait(60), "the fault proxy did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:
         # finish (cancel) stalled handlers inside the loop: a coroutine left pending would be
         # finalised later by the GC at an arbitrary point of some other test
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self.clear()  # releases held requests
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(60)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._thread.join(60)
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -224,6 +228,8 @@ class FaultProxy:
 
     def clear(self) -> None:
         with self._lock:
+            for fault in self.faults:
+                fault.released.set()
             self.faults.clear()
             self.log.clear()
             self.max_in_flight = 0
@@ -240,14 +246,14 @@ class FaultProxy:
             server.close()
             self._loop.close()
 
-    def _decide(self, req: ProxyRequest) -> str:
+    def _decide(self, req: ProxyRequest) -> tuple[str, Fault | None]:
         with self._lock:
             self.log.append(req)
             for fault in self.faults:
                 if (fault.times is None or fault.hits < fault.times) and fault.match(req):
                     fault.hits += 1
-                    return fault.action
-        return "pass"
+                    return fault.action, fault
+        return "pass", None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -267,7 +273,7 @@ class FaultProxy:
         req = ProxyRequest(
             method, url.path, parse_qs(url.query, keep_blank_values=True), headers, size
         )
-        action = self._decide(req)
+        action, fault = self._decide(req)
         body = b""
         if action in ("pass", "delay", "truncate"):
             if headers.get("expect", "").lower() == "100-continue":  # botocore sends it
@@ -280,6 +286,11 @@ class FaultProxy:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             if action == "reset":
+                writer.transport.abort()
+                return
+            if action == "hold" and fault is not None:  # in flight until released
+                while not fault.released.is_set():
+                    await asyncio.sleep(0.01)
                 writer.transport.abort()
                 return
             if action == "stall":  # never answer: the client's read timeout must fire
@@ -342,7 +353,9 @@ def fault_proxy(server: MotoS3) -> Iterator[FaultProxy]:
         yield proxy
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+def wait_until(cond: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Poll ``cond`` until it holds; ``timeout`` is a safety net for a condition that never
+    comes, not a measure of speed (keep it generous: the machine may be loaded)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():

@@ -157,7 +157,7 @@ def test_failing_rank_fails_the_version_on_every_rank(two: Job) -> None:
 def test_hung_rank_times_out_and_publishes_nothing(two: Job) -> None:
     hang = two.ref[0]
     assert hang["hang_error"].startswith("rank 0/2: agree_version failed")
-    assert "Timed out" in hang["hang_error"] and 4 < hang["hang_s"] < 20
+    assert "Timed out" in hang["hang_error"]  # gloo waited its whole timeout for rank 1
     assert hang["hang_latest"] == 3
     runs = two.runs.parent / "faults_runs" / "faults" / "versions"
     assert not (runs / "v000003" / "manifest.json").exists()
@@ -167,7 +167,8 @@ def test_hung_rank_times_out_and_publishes_nothing(two: Job) -> None:
 def test_dead_rank_fails_fast_and_publishes_nothing(two: Job) -> None:
     (dead,) = _load(two.out, "dead", 1)
     assert dead["dead_error"].startswith("rank 0/2: agree_version failed")
-    assert dead["dead_s"] < 15
+    # fast: from the dead peer's closed connection, not by waiting out the (120 s) timeout
+    assert "timed out" not in dead["dead_error"].lower()
     assert dead["latest_after_dead"] == TOTAL // 2
     assert dead["manifests"] == [f"{two.run_id}/versions/v000001/manifest.json"]
 

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from mithril_async import CheckpointManager
+from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from tests.faults._common import (
     Counter,
@@ -88,14 +91,10 @@ def test_cancel_at_every_store_call_of_a_save() -> None:
                 break
             where = store.blocked_in
             assert handle.future.cancel(), f"could not cancel at call {n} ({where})"
-            concurrent.futures.wait([handle.future], timeout=30)
             store.arm(None)
             cancelled += 1
             assert m._bg(_idle()) is None  # the loop is responsive
-            # the task's shielded cleanup may still be finishing: wait for it (bounded)
-            deadline = time.monotonic() + 10
-            while (store._incomplete or _stray(store)) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            settle(m)  # the task's shielded cleanup may still be finishing: wait for it
             assert not store._incomplete, f"writer left open after cancel at {where}"
             assert _stray(store) == [], f"cancel at {where} left {_stray(store)}"
             m.check_for_errors()  # a cancelled save is not an error to re-raise
@@ -116,7 +115,7 @@ def test_cancel_at_every_store_call_of_a_save() -> None:
 
 def _waiter(ev: threading.Event) -> concurrent.futures.Future[None]:
     fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-    threading.Thread(target=lambda: (ev.wait(30), fut.set_result(None)), daemon=True).start()
+    threading.Thread(target=lambda: (ev.wait(120), fut.set_result(None)), daemon=True).start()
     return fut
 
 
@@ -124,8 +123,47 @@ async def _idle() -> None:
     return None
 
 
-def test_timeout_and_close_mid_save_on_disk(tmp_path: Path) -> None:
-    """A real timeout (asyncio.wait_for) and close(wait=False) while blobs stream to disk."""
+async def _others_done(limit_s: float) -> None:
+    """Wait until every other task of this loop has finished (a cancelled save's shielded
+    cleanup, the writers it aborts); ``limit_s`` is a safety net, not a timing."""
+    loop = asyncio.get_running_loop()
+    me, deadline = asyncio.current_task(), loop.time() + limit_s
+    while others := {t for t in asyncio.all_tasks() if t is not me}:
+        left = deadline - loop.time()
+        assert left > 0, f"still running after {limit_s:g} s: {others}"
+        await asyncio.wait(others, timeout=left)
+
+
+def settle(m: CheckpointManager) -> None:
+    """Block until the manager's loop has nothing left running (events, not a sleep)."""
+    m.loop.run(_others_done(120))
+
+
+class _ManifestGate:
+    """While ``closed``, every manifest publication on a LocalStore waits (cancellably), so a
+    save in flight cannot commit: a timeout or a close then surely lands mid-save."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.closed = False
+        real = LocalStore.put_if_absent
+        gate = self
+
+        async def put_if_absent(store: LocalStore, key: str, data: Any) -> None:
+            while gate.closed and key.endswith("manifest.json"):
+                await asyncio.sleep(0.001)
+            await real(store, key, data)
+
+        monkeypatch.setattr(LocalStore, "put_if_absent", put_if_absent)
+
+
+def test_timeout_and_close_mid_save_on_disk(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real timeout (asyncio.wait_for) and close(wait=False) while blobs stream to disk.
+
+    Round 0 holds the manifests back, so its timeout and its close surely land mid-save
+    (the counts below cannot depend on the machine's speed); later rounds let the save race
+    the timeout and the close, to land at other points."""
+    gate = _ManifestGate(monkeypatch)
     cfg = make_config(tmp_path / "runs", keep_last=3, delta=False,
                       extra="")
     root = tmp_path / "runs" / "run1"
@@ -147,22 +185,24 @@ def test_timeout_and_close_mid_save_on_disk(tmp_path: Path) -> None:
                     return "timeout"
                 return "done"
 
+            gate.closed = round_ == 0
             outcome = asyncio.run(timed(base + 2, 0.0005 * round_))
+            gate.closed = False
             timeouts += outcome == "timeout"
             m.check_for_errors()
             steps = m.all_steps()
             assert base + 1 in steps
-            deadline = time.monotonic() + 10  # the cancelled task's cleanup may still run
-            while leftovers(root) != ([], []) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            settle(m)  # the cancelled task's cleanup may still run
             assert leftovers(root) == ([], [])
             set_step(model, counter, base + 3)
             m.save_nowait(base + 3, metrics={"loss": metric(base + 3)}).result()
             # close while the next save is in flight: abandoned, never half-published
             set_step(model, counter, base + 4)
+            gate.closed = round_ == 0
             m.save_nowait(base + 4, metrics={"loss": metric(base + 4)})
-            time.sleep(0.002 * round_)
+            time.sleep(0.002 * round_)  # varies where the close lands; no result depends on it
             m.close(wait=False)
+            gate.closed = False
         # close(wait=False) lets the abandoned save's cleanup finish: nothing half-written
         assert leftovers(root) == ([], [])
         r_model, r_counter = Net(), Counter()

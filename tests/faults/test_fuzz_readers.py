@@ -1,7 +1,8 @@
 """Issue 8.10: the MCKP and HPΔKV readers, fed random bytes, mutated valid blobs (with their
 checksums recomputed so the mutation reaches the parser behind them) and structurally edited
 headers, raise typed errors only (subclasses of ``MithrilError``) - never another exception,
-a crash or a hang (each example has a deadline).
+a crash or a hang (a hang trips the per-test pytest timeout; no per-example wall-clock
+deadline, which a loaded machine could miss without anything being wrong).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mithril_async.lossy.hpdkv import pack_residuals, unpack_residuals
 from tests.faults._common import scale
 
 EXAMPLES = scale(120, 3000)
-FUZZ = settings(max_examples=EXAMPLES, deadline=5000, derandomize=False,
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 COUNTS: dict[str, int] = {}
 

@@ -2,6 +2,8 @@
 checkpoint. One subprocess imports torch once and forks a saver per kill (see
 ``_kill_server.py``); after every kill a fresh manager must clean the leftovers, point
 ``latest`` at the newest committed version, and restore every committed version bit for bit.
+The counts asserted do not depend on the machine's speed: each saver is killed only after it
+committed a new step, and one kill is made while a save is held just before its manifest.
 """
 
 from __future__ import annotations

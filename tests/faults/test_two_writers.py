@@ -32,7 +32,7 @@ def test_two_writers_interleaved(tmp_path: Path) -> None:
         model, counter = Net(), Counter()
         try:
             with CheckpointManager(cfg, {"model": model, "data": counter}) as m:
-                barrier.wait(30)
+                barrier.wait(120)  # a safety net: both managers start, however slowly
                 for i in range(SAVES):
                     step = 2 * i + 1 + w  # writer 0: odd steps, writer 1: even steps
                     set_step(model, counter, step)

@@ -24,13 +24,13 @@ from tests.faults._common import leftovers
 
 
 class GatedCoordinator(LocalCoordinator):
-    """Agrees only after ``encoding`` is set (or the timeout); then claims or fails."""
+    """Agrees only after ``encoding`` is set (or a 60 s safety net); then claims or fails."""
 
     def __init__(self, encoding: threading.Event, fail: bool = False) -> None:
         self.encoding, self.fail, self.waited_out = encoding, fail, False
 
     async def agree_version(self, claim: Callable[[], Awaitable[int]]) -> int:
-        self.waited_out = not await asyncio.to_thread(self.encoding.wait, 20)
+        self.waited_out = not await asyncio.to_thread(self.encoding.wait, 60)
         if self.fail:
             raise DistributedError("rank 0 could not claim a version: injected")
         return await claim()

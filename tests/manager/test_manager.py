@@ -221,16 +221,29 @@ def test_on_busy_skip_and_error(make_config: ConfigFactory) -> None:
 
 def test_save_returns_before_commit_and_progresses_while_training(
         make_config: ConfigFactory) -> None:
-    """The pipeline runs on its own thread: the commit happens while the caller computes."""
+    """The pipeline runs on its own thread: the commit happens while the caller computes.
+
+    The manifest's publication is held until the caller has its handle back, so save_nowait()
+    provably returned before the commit; then the commit lands while this thread only
+    computes (it never calls into the manager until the handle is done)."""
     cfg = make_config()
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)
-    with CheckpointManager(cfg, {"model": model}) as m:
+    returned = threading.Event()
+
+    class HeldStore(MemoryStore):
+        async def put_if_absent(self, key: str, data: Any) -> None:
+            if key.endswith("manifest.json"):
+                assert await asyncio.to_thread(returned.wait, 60), "save_nowait never returned"
+            await super().put_if_absent(key, data)
+
+    with CheckpointManager(cfg, {"model": model}, store=HeldStore()) as m:
         handle = m.save_nowait(1)
-        assert handle.result_obj.stall_s < 5.0
-        deadline = time.perf_counter() + 30
+        assert not handle.done()  # nothing is committed before save_nowait() returns
+        returned.set()
+        deadline = time.monotonic() + 60  # a safety net only: the commit needs no help
         x = torch.randn(256, 1024)
-        while not handle.done() and time.perf_counter() < deadline:
+        while not handle.done() and time.monotonic() < deadline:
             x = torch.tanh(x @ model.weight.detach())  # the "training loop" keeps computing
         assert handle.done()
         res = handle.result()

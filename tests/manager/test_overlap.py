@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +44,7 @@ def _gated_copy(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[
     real = overlap.copy_jobs
 
     def gated(jobs: Any, threads: int) -> None:
-        assert gate.wait(30)
+        assert gate.wait(60)  # a safety net: the test opens the gate
         copied.append(sum(n for _, _, n in jobs))
         real(jobs, threads)
 
@@ -79,21 +79,61 @@ def test_every_version_holds_the_state_of_its_save(make_config: Callable[..., Co
         assert [r.status for r in m.history] == ["committed"] * 6
 
 
+class _CheckedFuture(concurrent.futures.Future[None]):
+    """Mirrors an overlapped copy's future; the first ``done()`` that answers False sets
+    ``checked`` (the step hook found the copy unfinished and is about to wait for it)."""
+
+    def __init__(self, inner: concurrent.futures.Future[None], checked: threading.Event) -> None:
+        super().__init__()
+        self.checked = checked
+        inner.add_done_callback(self._mirror)
+
+    def _mirror(self, inner: concurrent.futures.Future[None]) -> None:
+        err = inner.exception()
+        if err is None:
+            self.set_result(None)
+        else:
+            self.set_exception(err)
+
+    def done(self) -> bool:
+        finished = super().done()
+        if not finished:
+            self.checked.set()
+        return finished
+
+
 def test_step_waits_for_the_copy_and_the_wait_is_reported(
         make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch) -> None:
-    gate, copied = _gated_copy(monkeypatch)
+    """Deterministic, whatever the machine's speed: the copy is held until the step hook has
+    seen it unfinished, so step() can only go on by waiting for it."""
+    checked = threading.Event()
+    copied: list[int] = []
+    order: list[str] = []
+    real_copy, real_init = overlap.copy_jobs, overlap.OverlapCopy.__init__
+
+    def gated(jobs: Any, threads: int) -> None:
+        assert checked.wait(60), "no step hook asked for the copy"
+        copied.append(sum(n for _, _, n in jobs))
+        real_copy(jobs, threads)
+        order.append("copy")
+
+    def init(self: overlap.OverlapCopy, *a: Any, **kw: Any) -> None:
+        real_init(self, *a, **kw)
+        self.future = _CheckedFuture(self.future, checked)
+
+    monkeypatch.setattr(overlap, "copy_jobs", gated)
+    monkeypatch.setattr(overlap.OverlapCopy, "__init__", init)
     model, opt, batcher = make_state()
     train_step(model, opt, batcher)
     before = _live(model, opt)
     with CheckpointManager(make_config(OVERLAPPED), {"model": model, "optimizer": opt}) as m:
+        opt.register_step_post_hook(lambda *_: order.append("step"))
         handle = m.save_nowait(1)  # returns although the copy has not started
-        assert not copied
-        threading.Timer(0.3, gate.set).start()
-        t0 = time.perf_counter()
-        train_step(model, opt, batcher)  # step() blocks until the gate opens and the copy ends
-        assert time.perf_counter() - t0 >= 0.25
+        assert not copied and not checked.is_set()
+        train_step(model, opt, batcher)  # step() blocks until the copy it released ends
+        assert checked.is_set() and order == ["copy", "step"]
         res = handle.result()
-        assert res.status == "committed" and res.step_wait_s >= 0.2
+        assert res.status == "committed" and res.step_wait_s > 0
         params = sum(p.numel() * 4 for p in model.parameters())
         assert copied and copied[0] >= 3 * params  # weights + exp_avg + exp_avg_sq
         after = _live(model, opt)
@@ -154,7 +194,7 @@ def test_without_an_optimizer_everything_is_copied_at_save(
     model = TinyNet()
     with CheckpointManager(make_config(OVERLAPPED), {"model": model}) as m:
         m.save_nowait(1)
-        assert m._overlap is None and m._guard is not None and not m._guard.pointers()
+        assert m._guard is not None and m._guard.pending is None and not m._guard.pointers()
         m.wait()
     assert "no optimizer in the state" in caplog.text
 
@@ -168,7 +208,7 @@ def test_stager_defers_exactly_the_named_sources() -> None:
     assert snap.deferred == [(b.data_ptr(), snap.tensors["b"].data_ptr(), 40)]
     assert [(n, t is b, v) for n, t, v in snap.watch] == [("b", True, b._version)]
     copy = overlap.OverlapCopy(snap.deferred, snap.watch, 1)
-    copy.future.result(10)
+    copy.future.result(60)  # a safety net; the copy is tiny
     assert torch.equal(snap.tensors["b"], b)
 
 
@@ -180,7 +220,7 @@ def test_torn_copy_names_tensors() -> None:
         t.add_(1)
     copy = overlap.OverlapCopy(snap.deferred, snap.watch, 1)
     with pytest.raises(SnapshotTorn, match=r"7 tensor\(s\) changed.*t0, t1, t2, t3, t4 and 2 more"):
-        copy.future.result(10)
+        copy.future.result(60)  # a safety net; the copy is tiny
 
 
 def _nice_of(thread: threading.Thread) -> int:
