@@ -71,9 +71,14 @@ def test_large_blob_is_multipart_with_crc32_per_part(
             await w.write(data[i : i + 100_000])
         assert w.upload_id is not None
         assert [u["Key"] for u in s3_server.uploads(f.prefix)] == [full]
-        await asyncio.sleep(0.2)  # let the in-flight parts land
-        parts = s3_server.client.list_parts(Bucket=s3_server.bucket, Key=full, UploadId=w.upload_id)
-        assert len(parts["Parts"]) >= 4
+        def landed() -> int:
+            return len(s3_server.client.list_parts(Bucket=s3_server.bucket, Key=full,
+                                                   UploadId=w.upload_id).get("Parts", []))
+
+        deadline = time.monotonic() + 60  # a safety net: the parts are already on their way
+        while landed() < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert landed() >= 4  # streamed while writing, before the commit
         assert await w.commit() == len(data)
         assert await s.get("big") == data
 
