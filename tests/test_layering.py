@@ -51,3 +51,52 @@ def test_mithril_async_delta_is_only_the_old_name_of_step_deltas() -> None:
         if name != "SparseDeltaCallback":  # lazy: would import transformers
             assert getattr(old_name, name) is getattr(step_deltas, name), name
     assert not hasattr(old_name, "chain")
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (any import statement, TYPE_CHECKING too).
+
+    ``from pkg import submodule`` is an edge to the submodule only: the package's
+    ``__init__`` runs first either way, and counting it would make every sibling a loop."""
+    spec = importlib.util.find_spec("mithril_async")
+    assert spec is not None and spec.origin is not None
+    root = Path(spec.origin).parent
+    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+             for p in root.rglob("*.py")}
+    native = {".".join((*p.relative_to(root.parent).parent.parts, p.name.split(".")[0]))
+              for p in root.rglob("*.so")}  # the cffi extensions import nothing of ours
+    graph: dict[str, set[str]] = {}
+    for name in names:
+        found = importlib.util.find_spec(name)
+        assert found is not None and found.origin is not None
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(Path(found.origin).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & (names | native)
+                deps |= subs if len(subs) == len(node.names) else subs | {node.module}
+        graph[name] = {m for m in deps if m in names and m != name}
+    return graph
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Not even under TYPE_CHECKING: a cycle there is a design loop that a refactor turns into
+    an import error."""
+    edges = _package_graph()
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append([*path[path.index(m):], m])
+            elif m not in state:
+                visit(m, [*path, m])
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n, [n])
+    assert cycles == []

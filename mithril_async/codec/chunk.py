@@ -18,7 +18,6 @@ XXH3-64 since MCKP version 2 (XXH64 in version 1; see :func:`chunk_hasher`).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ import xxhash
 
 from mithril_async.codec.dtypes import dtype_info
 from mithril_async.codec.entropy import decode_plane, encode_plane
+from mithril_async.codec.params import CodecParams
 from mithril_async.codec.transforms import CHOICE_ORDER, REGISTRY, ChunkTransform, Transform
-from mithril_async.errors import ChecksumMismatch, ConfigError, InvalidFormat, ShapeMismatch
+from mithril_async.errors import ChecksumMismatch, InvalidFormat, ShapeMismatch
 
 __all__ = [
     "CHUNK_HASH_VERSION",
@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
-MiB = 1 << 20
 
 #: Set in ``ChunkMeta.transform`` when the chunk was XORed with a base before the transform.
 DELTA_BIT = 0x80
@@ -58,8 +57,8 @@ DELTA_BIT = 0x80
 #: The MCKP format version whose chunk hashes :func:`encode_chunk` writes.
 CHUNK_HASH_VERSION = 2
 # Chunk (raw and payload) hashes by MCKP format version.  Version 2 moved from XXH64 to
-# XXH3-64: hashing was a fifth of a bf16 chunk's coding time, and XXH3 runs ~2x faster here
-# (XXH64 is latency-bound at ~10 GB/s on this EPYC).  Same 8-byte fields, seed 0.
+# XXH3-64: XXH64 is latency-bound (one dependent chain per 32 bytes) and was a large share of
+# a bf16 chunk's coding time; XXH3 is vectorised.  Same 8-byte fields, seed 0.
 _HASHERS: dict[int, tuple[Callable[[Any], int], Callable[[], Any]]] = {
     1: (xxhash.xxh64_intdigest, xxhash.xxh64),
     2: (xxhash.xxh3_64_intdigest, xxhash.xxh3_64),
@@ -81,46 +80,6 @@ def transform_for(transform: int, where: str = "chunk") -> ChunkTransform:
     if tr is None:
         raise InvalidFormat(f"{where}: unknown transform {transform}")
     return tr
-
-
-@dataclass(frozen=True)
-class CodecParams:
-    """How tensors are encoded; recorded verbatim in blob headers and manifests.
-
-    ``level``: zstd level for planes coded with zstd.  ``byte_grouping``: group bytes of
-    multi-byte elements.  ``exponent_planes``: for bf16/fp32, split out the 8-bit exponent
-    (needs ``byte_grouping``).  ``chunk_bytes``: chunk size (the parallelism unit; rounded to
-    the element size).  ``entropy``: ``"auto"`` picks a coder per plane (see
-    :mod:`~mithril_async.codec.entropy`), ``"zstd"`` forces zstd (for comparisons).
-    ``raw_bits``/``huff_min_bits``: sampled entropy thresholds (bits/byte) above which a
-    float plane is stored raw / Huffman coded instead of zstd coded.
-    """
-
-    level: int = 3
-    byte_grouping: bool = True
-    exponent_planes: bool = True
-    chunk_bytes: int = 4 * MiB
-    entropy: str = "auto"
-    raw_bits: float = 7.9
-    huff_min_bits: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not -7 <= self.level <= 22:
-            raise ConfigError(f"level: zstd level {self.level} outside -7..22")
-        if not 1 <= self.chunk_bytes <= 1 << 30:
-            raise ConfigError(f"chunk_bytes: {self.chunk_bytes} outside 1..1 GiB")
-        if self.entropy not in ("auto", "zstd"):
-            raise ConfigError(f"entropy: {self.entropy!r} is not 'auto' or 'zstd'")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (for blob headers and manifests)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CodecParams:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from mithril_async.codec.chunk import CodecParams
     from mithril_async.codec.dtypes import DtypeInfo
+    from mithril_async.codec.params import CodecParams
 
 __all__ = ["ChunkTransform", "Transform", "U8"]
 

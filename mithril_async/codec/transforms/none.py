@@ -10,8 +10,8 @@ from mithril_async.codec import kernels as K
 from mithril_async.codec.transforms.base import U8, ChunkTransform, Transform
 
 if TYPE_CHECKING:
-    from mithril_async.codec.chunk import CodecParams
     from mithril_async.codec.dtypes import DtypeInfo
+    from mithril_async.codec.params import CodecParams
 
 
 class NoTransform(ChunkTransform):
