@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mithril_async.pipeline.stager import Snapshot, StagingArea
-
-from .conftest import FakeEvent
+from tests.manager.conftest import FakeEvent
 
 
 def test_snapshot_copies_and_reuses_buffers() -> None:
