@@ -1,11 +1,14 @@
 """CheckpointManager: ``await save(step)`` blocks only for a snapshot; the rest is background.
 
-The manager owns a private event loop thread (:class:`BackgroundLoop`), a thread pool for the
-codec, reusable staging buffers and a Store. ``save()`` copies the state into the staging
-buffers on the caller's thread and hands everything else — encode, checksum, write, manifest
-commit, alias moves, retention — to the background loop. At most one save is in flight; a
-failure there aborts only that save, leaves the previous version untouched, and is raised by the
-next ``save()``/``wait_until_finished()``/``check_for_errors()``.
+The manager owns the lifecycle (a private event loop thread, :class:`BackgroundLoop`; the
+codec thread pool; the Store), the public API and the snapshot entry point. Each save is one
+:class:`~mithril_async.pipeline.save.SaveJob`: ``save()`` has it copy the state into the
+reusable staging buffers on the caller's thread, then runs the rest — encode, checksum, write,
+manifest commit, alias moves, retention — on the background loop. What saves share lives in a
+:class:`~mithril_async.pipeline.save.SaveContext`, never on the manager. Restores read through
+the one :class:`~mithril_async.pipeline.reader.VersionReader`. At most one save is in flight;
+a failure there aborts only that save, leaves the previous version untouched, and is raised by
+the next ``save()``/``wait_until_finished()``/``check_for_errors()``.
 
 Synchronous training loops use the same machinery through ``save_nowait()``, ``wait()``,
 ``restore_sync()`` and ``close()``; the pipeline progresses on its own thread either way.
