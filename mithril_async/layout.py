@@ -16,7 +16,8 @@ from mithril_async.storage.base import check_key, join_key
 
 
 def new_run_id() -> str:
-    """A fresh, sortable, collision-resistant run id (seed 002: new runs get new ids)."""
+    """A fresh, sortable, collision-resistant run id (new runs get new ids, so nothing is
+    ever overwritten)."""
     return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 

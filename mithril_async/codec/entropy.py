@@ -10,7 +10,7 @@ bound, and knows the coded size from the histogram before coding, so near-random
 planes are stored raw after one histogram pass.  Delta (XOR) planes are mostly zeros with
 runs, where zstd's matches win by orders of magnitude (both are tried when the sampled
 entropy is low).  Constant planes (the all-zero low mantissa bytes of an fp32 copy of bf16
-weights, seed 004) take one byte.  Huffman-only deflate (zlib's ``Z_HUFFMAN_ONLY``, a
+weights) take one byte.  Huffman-only deflate (zlib's ``Z_HUFFMAN_ONLY``, a
 standard stream any inflater reads) is the fallback when the native coder is not built.
 
 Every coder here is synchronous, thread-safe (per-thread contexts) and spends its time in C

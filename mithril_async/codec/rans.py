@@ -2,7 +2,7 @@
 
 Why its own coder: exponent planes are skewed without long repeats.  LZ coders lose ratio
 there, Huffman loses up to ~2 % on such peaked distributions and zlib's Huffman-only deflate
-runs at ~100 MB/s.  The native coder (``native/rans.c``, built as ``mithril_async._rans``)
+is slow.  The native coder (``native/rans.c``, built as ``mithril_async._rans``)
 codes within ~0.1 % of the order-0 entropy per 256 Ki-symbol block, estimates the coded size
 from the histogram first (an incompressible plane costs one histogram pass).  Two layouts:
 format v1 (plane method RANS: eight 64-bit states, one stream each; scalar decoder) and format

@@ -1,4 +1,4 @@
-"""HPΔKV: the residual container for 4-bit quantised weights (seed 001), version 1.
+"""HPΔKV: the residual container for 4-bit quantised weights version 1.
 
 Why a separate tiny format: a 4-bit copy of a model is what most users load, and the residual
 ("what the 4-bit copy got wrong") is what a few users need to get back to the original. Keeping
@@ -81,7 +81,7 @@ def _topk_count(n: int, store_topk: float) -> int:
 def _select_topk(values: torch.Tensor, k: int, scores: torch.Tensor | None) -> torch.Tensor:
     """Flat int64 indices (ascending) of the k largest |scores| (|values| when None).
 
-    Ranking runs in float32 because CPU ``topk`` lacks half support (seed 001 note 1).
+    Ranking runs in float32 because CPU ``topk`` lacks half support.
     NaN scores rank as the largest so a NaN residual is never silently dropped.
     """
     key = (values if scores is None else scores).reshape(-1).to(torch.float32).abs()

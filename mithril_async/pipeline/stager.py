@@ -34,10 +34,10 @@ from mithril_async.codec import kernels as K
 
 #: CPU tensors at least this big are staged with non-temporal stores (smaller: memcpy).  The
 #: staging buffers of a whole state rarely fit the cache, so streaming pays from 64 KiB on
-#: (measured on all-MiniLM-L6-v2's 104 tensors: 3.8 ms with this, 4.3 ms with 1 MiB).
+#: (measured on a small model's state: faster than a 1 MiB threshold).
 STREAM_COPY_MIN_BYTES = 1 << 16
 #: Snapshots of at least this many bytes are copied by two threads (the caller and one
-#: helper): ~1.3x one thread's bandwidth here (42 MB: 3.9 -> 2.9 ms; 256 MiB: 11 -> 14 GB/s).
+#: helper): one thread does not saturate memory bandwidth, two come closer.
 PARALLEL_COPY_MIN_BYTES = 8 << 20
 
 Job = tuple[int, int, int]  # (src address, dst address, nbytes)

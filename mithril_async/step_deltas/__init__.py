@@ -1,4 +1,4 @@
-"""Sparse per-step deltas of training (seed 003): a recorder that stores only the parameters
+"""Sparse per-step deltas of training: a recorder that stores only the parameters
 each optimizer step changed, exact reconstruction at any recorded step, and training-dynamics
 analysis (:mod:`.analysis` computes, :mod:`.report` and :mod:`.plots` write).
 

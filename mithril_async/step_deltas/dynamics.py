@@ -4,7 +4,7 @@ Why layer-major with dense scratch arrays
     Net K-step change, cumulative change, mask overlap and reuse all need, per position, "was
     it touched", "value before the first touch" and "value after the last touch". Sorting and
     merging COO arrays (``np.unique``/``np.intersect1d``) costs O(n log n) per window and pair
-    and took minutes for a 17M-parameter run; dense per-layer scratch arrays (masks, bit arrays
+    and is far too slow for real models; dense per-layer scratch arrays (masks, bit arrays
     and counters of the layer's size) make every pass O(changed positions): K-step windows
     slide (add the entering step, remove the leaving one) instead of being recomputed, so all
     windows of one K cost two passes over the deltas. Memory is ~16 bytes per parameter of the

@@ -1,4 +1,4 @@
-"""Hugging Face ``TrainerCallback`` form of :class:`SparseDeltaRecorder` (seed 003).
+"""Hugging Face ``TrainerCallback`` form of :class:`SparseDeltaRecorder`.
 
 ``transformers`` is optional: this module is imported only when ``SparseDeltaCallback`` is
 asked for. Timing: the Trainer calls ``on_optimizer_step`` right after ``optimizer.step()``

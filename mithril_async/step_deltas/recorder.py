@@ -24,7 +24,7 @@ Failures
     attached), and ``metadata.json`` never lists a step whose file is not durable (the delta
     is written first, the metadata after it).
 
-``metadata.json`` (seed 003, extended) is rewritten atomically after deltas land (coalesced
+``metadata.json`` is rewritten atomically after deltas land (coalesced
 when several are queued) and on :meth:`close`; see
 :func:`~mithril_async.step_deltas.meta.build_metadata`.
 """

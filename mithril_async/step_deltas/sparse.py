@@ -1,4 +1,4 @@
-"""Sparse per-step deltas (seed 003): the diff of one optimizer step and its on-disk form.
+"""Sparse per-step deltas: the diff of one optimizer step and its on-disk form.
 
 Why new values and not differences
     A delta is taken between two snapshots *in the recorder's dtype* (a cast of the live
@@ -208,7 +208,7 @@ def load_sparse_delta(
 def load_sparse_delta(
     path: str | os.PathLike[str], dense: bool = True
 ) -> dict[str, torch.Tensor] | dict[str, SparseLayerDelta]:
-    """Load one delta file (seed 003 API): layer -> dense float32 update ``new - old``.
+    """Load one delta file (the recorder's public API): layer -> dense float32 update ``new - old``.
 
     With ``dense=False`` the COO pieces come back as :class:`SparseLayerDelta` (indices, new
     values, old values, shape), which is what exact reconstruction uses. The dense update is

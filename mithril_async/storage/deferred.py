@@ -1,7 +1,8 @@
 """A blob writer whose key is known only later: the first bytes wait in memory for it.
 
 Why: a save agrees on its version number first (on several ranks a gloo broadcast from rank 0
-after rank 0 claimed the number in the store: 15-30 ms while a training step holds the GIL),
+after rank 0 claimed the number in the store, slower still while a training step holds the
+GIL),
 and every blob key contains that number.  Encoding does not need the number, so the codec
 starts at once and its first output waits here; the agreement and the encoding overlap
 instead of adding up.  What waits is bounded (``limit`` bytes): a writer past it waits for the
