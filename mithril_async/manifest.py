@@ -1,9 +1,9 @@
 """Pydantic models of the on-disk metadata: version manifests, aliases, the run manifest.
 
 Schemas: runs/<run_id>/versions/vNNNNNN/manifest.json, aliases/{latest,best}.json, run.json
-(docs/LAYOUT.md). Every ``key`` is repo-root relative and validated with ``check_key``; parsing any of
-these files goes through :func:`parse_model`, which turns malformed JSON, schema violations and
-unknown schema versions into typed errors naming the file.
+(docs/LAYOUT.md). Every ``key`` is repo-root relative and validated with ``check_key``; parsing
+any of these files goes through :func:`parse_model`, which turns malformed JSON, schema
+violations and unknown schema versions into typed errors naming the file.
 """
 
 from __future__ import annotations

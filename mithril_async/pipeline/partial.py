@@ -1,11 +1,12 @@
 """Ranged reads of the blocks of some tensors of an MCKP blob (a delta base's needed part).
 
 Why: a delta version whose deltas need a few tensors of their base should not pay for reading
-and hashing the whole base blob (an optimizer blob asked for one tensor would otherwise be
-read and hashed whole, a large share of such a restore). The trailer, header and index are read and checked by their own hashes
-(:class:`~mithril_async.codec.container.AsyncMckpRangeReader`), then only the needed blocks,
-adjacent ones merged into one range and the ranges fetched concurrently; each block's payload
-hash is checked before decoding and each decoded chunk's raw hash after, so nothing unchecked is
+and hashing the whole base blob (an optimizer blob asked for one tensor would otherwise be read
+and hashed whole, a large share of such a restore). The trailer, header and index are read and
+checked by their own hashes (:class:`~mithril_async.codec.container.AsyncMckpRangeReader`), then
+only the needed blocks, adjacent ones merged into one range and the ranges fetched concurrently;
+each block's payload hash is checked before decoding and each decoded chunk's raw hash after, so
+nothing unchecked is
 returned even though the whole-blob hash (which needs every byte) is not.
 """
 
