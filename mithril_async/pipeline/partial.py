@@ -6,8 +6,7 @@ and hashed whole, a large share of such a restore). The trailer, header and inde
 checked by their own hashes (:class:`~mithril_async.codec.container.AsyncMckpRangeReader`), then
 only the needed blocks, adjacent ones merged into one range and the ranges fetched concurrently;
 each block's payload hash is checked before decoding and each decoded chunk's raw hash after, so
-nothing unchecked is
-returned even though the whole-blob hash (which needs every byte) is not.
+nothing unchecked is returned even though the whole-blob hash (which needs every byte) is not.
 """
 
 from __future__ import annotations
