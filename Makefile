@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-s3 test lint bench
+.PHONY: setup demo demo-s3 test lint bench gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,3 +25,15 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The CUDA paths on a real GPU (docs/GPU.md): without a CUDA device it says so and exits 0;
+# with one it makes its own venv (build/venv-gpu) with a CUDA torch, runs the `cuda` tests,
+# the training-loop benchmark on the GPU and the codec thread sweep, and prints the
+# docs/BENCHMARKS.md section. Stages alone: benchmarks/gpu_check.sh setup|tests|loop|codec.
+gpu-check:
+	bash benchmarks/gpu_check.sh all
+
+# Where a registry is reachable, before a GPU session on a machine that reaches none: the
+# wheels gpu-check installs there (build/gpu-wheels, ~9 MB; carry it with the working tree).
+gpu-wheels:
+	bash benchmarks/gpu_check.sh wheels

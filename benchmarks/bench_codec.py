@@ -12,11 +12,21 @@ every decode is checked bit-exact.  zipnn mutates its
 input in place, so it always gets a copy (the copy is not timed).
 
     python benchmarks/bench_codec.py [--runs 3] [--only minilm|trajectory]
+
+Thread sweep (what ``make gpu-check`` runs on the 16-core GPU machine): ``--threads`` with
+several counts measures our codec alone at each count on a bf16 training state (weights +
+AdamW ``exp_avg`` / ``exp_avg_sq`` of a TinyLM of ``--params`` parameters trained a few steps
+on ``--device``; ~6 bytes per parameter), in GiB/s of raw bytes, against the seed targets of
+2.5 GiB/s compress and 3.5 GiB/s decompress on 16 cores::
+
+    python benchmarks/bench_codec.py --threads 1,2,4,8,16 --params 2e8 --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -221,15 +231,130 @@ def paired_single_thread(sd: SD, raw: bytes, dtype: str, runs: int) -> tuple[flo
     return statistics.median(comp), statistics.median(dec)
 
 
+#: seed 000's throughput targets, on 16 cores (GiB/s of raw bytes)
+TARGET_COMPRESS_GIBS = 2.5
+TARGET_DECOMPRESS_GIBS = 3.5
+TARGET_CORES = 16
+
+
+def thread_counts(text: str) -> list[int]:
+    """``--threads``: one count (the classic tables: 1 thread vs N) or a comma list (sweep)."""
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a thread count or list: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts must be >= 1: {text!r}")
+    return counts
+
+
+def lm_state(params: float, device: str, steps: int = 3) -> SD:
+    """Weights + AdamW moments of a bf16 TinyLM of ~``params`` parameters after ``steps``
+    training steps on ``device``, as one flat host state dict (the sweep's data)."""
+    from bench_train_loop import size_for
+    from make_trajectory import TinyLM, _markov_batches
+
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    d, layers = size_for(params)
+    with dev:
+        model = TinyLM(d=d, layers=layers, heads=max(1, d // 64), ctx=64).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    data = _markov_batches(512, 4, 64, 0).to(dev)
+    for i in range(steps):
+        seq = data[i]
+        logits = model(seq[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 seq[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    sd = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            sd[f"optim.{names[id(p)]}.{k}"] = st[k].detach().cpu().contiguous()
+    return sd
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def sweep(a: argparse.Namespace) -> int:
+    """Our codec alone at each thread count; prints a markdown table and the targets."""
+    sd = lm_state(a.params, a.device)
+    raw = sum(tensor_bytes(v)[0].size for v in sd.values())
+    nparams = sum(v.numel() for k, v in sd.items() if k.startswith("model."))
+    results = []
+    for th in a.threads:
+        tc, blob = med_time(lambda th=th: compress_state_dict(sd, threads=th), a.runs)
+        td, out = med_time(lambda th=th, b=blob: decompress_state_dict(b, threads=th), a.runs)
+        assert all(np.array_equal(tensor_bytes(out[k])[0], tensor_bytes(v)[0])
+                   for k, v in sd.items()), f"{th} threads: decode is not bit-exact"
+        del out
+        results.append({"threads": th, "compress_s": tc, "decompress_s": td,
+                        "raw_bytes": raw, "blob_bytes": len(blob),
+                        "compress_gibs": raw / tc / 2**30, "decompress_gibs": raw / td / 2**30})
+    gib = 2**30
+    print(f"\ncodec thread sweep: {cpu_name()}, {os.cpu_count()} CPUs; kernels: {K.BACKEND}; "
+          f"huffman: {HUFF_BACKENDS}; bf16 TinyLM {nparams / 1e6:.0f} M params, weights + "
+          f"AdamW moments, {raw / gib:.2f} GiB raw; median of {a.runs} runs\n")
+    print("| threads | ratio | compress GiB/s | decompress GiB/s | compress / 2.5 target "
+          "| decompress / 3.5 target |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['threads']} | {raw / r['blob_bytes']:.4f} | {r['compress_gibs']:.2f} | "
+              f"{r['decompress_gibs']:.2f} | {r['compress_gibs'] / TARGET_COMPRESS_GIBS:.2f} | "
+              f"{r['decompress_gibs'] / TARGET_DECOMPRESS_GIBS:.2f} |")
+    at = [r for r in results if r["threads"] == TARGET_CORES] or [results[-1]]
+    r = at[0]
+    verdict = {True: "met", False: "NOT met"}
+    print(f"\nseed targets on {TARGET_CORES} cores, measured at {r['threads']} threads: "
+          f"compress {r['compress_gibs']:.2f} GiB/s (target {TARGET_COMPRESS_GIBS}: "
+          f"{verdict[r['compress_gibs'] >= TARGET_COMPRESS_GIBS]}), decompress "
+          f"{r['decompress_gibs']:.2f} GiB/s (target {TARGET_DECOMPRESS_GIBS}: "
+          f"{verdict[r['decompress_gibs'] >= TARGET_DECOMPRESS_GIBS]})")
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({
+            "argv": sys.argv[1:], "cpu": cpu_name(), "cpus": os.cpu_count(),
+            "kernels": K.BACKEND,
+            "huffman": list(HUFF_BACKENDS), "params": nparams, "raw_bytes": raw,
+            "runs": a.runs, "targets_gibs": {"compress": TARGET_COMPRESS_GIBS,
+                                             "decompress": TARGET_DECOMPRESS_GIBS,
+                                             "cores": TARGET_CORES},
+            "results": results}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", choices=["minilm", "trajectory"], default=None)
-    ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--threads", type=thread_counts, default=[default_threads()],
+                    help="N (tables: 1 thread vs N; default all cores) or a comma list such "
+                    "as 1,2,4,8,16 (thread sweep of our codec against the seed targets)")
     ap.add_argument("--paired", type=int, default=9, metavar="ROUNDS",
                     help="rounds of the alternating single-thread comparison (0: skip)")
+    ap.add_argument("--params", type=float, default=2e8,
+                    help="thread sweep: parameters of the bf16 TinyLM whose state is coded")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="thread sweep: where that TinyLM trains (coding is on the CPU)")
+    ap.add_argument("--json", type=Path, default=None, help="thread sweep: write results here")
     a = ap.parse_args(argv)
-    n = a.threads
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device (torch.cuda.is_available() is false)")
+    if len(a.threads) > 1:
+        return sweep(a)
+    n = a.threads[0]
     rows: list[Row] = []
     pairs: list[tuple[Row, Row | None]] = []
     paired: list[tuple[str, float, float]] = []  # alternating single-thread ratios
