@@ -9,6 +9,7 @@ from mithril_async.config import Config, load_config, parse_config
 from mithril_async.distributed import DistCoordinator
 from mithril_async.errors import (
     ChecksumMismatch,
+    ClaimLost,
     CompressionError,
     ConfigError,
     DistributedError,
@@ -43,6 +44,7 @@ __all__ = [
     "Compressor",
     "DistCoordinator",
     "ChecksumMismatch",
+    "ClaimLost",
     "CompressionError",
     "Config",
     "ConfigError",

@@ -4,6 +4,14 @@ Readers trust only what is committed: a version exists iff its ``manifest.json``
 are durable before the manifest is written). Aliases are moved with compare-and-swap writes, so
 two writers never lose an update: ``latest`` only ever moves to a higher step and ``best`` only
 to a better metric. Every manifest read is validated, and must name keys inside its own run.
+
+A version number is reserved by a claim file that says who owns it (host, boot id, PID
+namespace, pid, a random token) and when its owner was last alive (a heartbeat the writer
+renews while its save runs). Other processes share the run (a restarted job, ``mithril gc``,
+containers with one hostname but separate PID namespaces), so a claim is abandoned ("stale")
+only when its heartbeat has stopped for ``claim_stale_s``, or when its owner is provably dead:
+same boot and same PID namespace, and no such pid. A pid alone proves nothing across
+namespaces: that is how a live save used to be deleted.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ import json
 import logging
 import math
 import os
+import secrets
 import socket
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from mithril_async.errors import (
     InvalidFormat,
@@ -30,29 +40,128 @@ from mithril_async.layout import RunLayout
 from mithril_async.manifest import (
     MAX_METADATA_BYTES,
     AliasFile,
+    BaseRef,
     RunManifest,
     VersionManifest,
     VersionSummary,
     dump_model,
     parse_model,
     utcnow,
+    version_id,
     version_number,
 )
 from mithril_async.storage.base import Store, check_key
 
 log = logging.getLogger("mithril_async")
 
-#: an unfinished version whose claim is older than this is abandoned and may be cleaned
-STALE_CLAIM_S = 6 * 3600.0
+#: an unfinished version whose claim's heartbeat is older than this is abandoned and may be
+#: cleaned (the default of ``[checkpointing.pipeline] claim_stale_s``)
+CLAIM_STALE_S = 300.0
+#: the longest pause between two heartbeats of a live claim
+MAX_HEARTBEAT_S = 30.0
 _CAS_ATTEMPTS = 32
+
+
+def heartbeat_interval(stale_after_s: float) -> float:
+    """How often a live writer renews its claim: four beats fit in the staleness bound, so a
+    late beat or two (a loaded machine, a slow store) never makes a live claim look stale."""
+    return max(0.01, min(MAX_HEARTBEAT_S, stale_after_s / 4))
+
+
+def owner_identity() -> dict[str, Any]:
+    """Who this process is, as a claim records it: hostname, boot id, PID-namespace id, pid.
+
+    Boot id and namespace id tell whether a claim's pid can be checked here at all: a pid
+    means nothing in another PID namespace (containers sharing a hostname) or after a
+    reboot. Either is None where /proc does not provide it (then no pid is ever trusted)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot: str | None = f.read().strip() or None
+    except OSError:
+        boot = None
+    try:
+        pidns: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns, "pid": os.getpid()}
+
+
+def _beat(doc: dict[str, Any]) -> float | None:
+    """The claim's last sign of life: its heartbeat, or its creation time (older claims)."""
+    times = [v for v in (doc.get("hb"), doc.get("t"))
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return max(times) if times else None
+
+
+def _same_pid_namespace(doc: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether the claim's pid can be checked from here: same boot, same PID namespace."""
+    return (me["boot"] is not None and me["pidns"] is not None
+            and doc.get("boot") == me["boot"] and doc.get("pidns") == me["pidns"])
+
+
+def claim_doc_stale(doc: object, stale_after_s: float, *, now: float | None = None,
+                    me: dict[str, Any] | None = None) -> bool:
+    """Whether a claim (its parsed ``_claim.json``) is abandoned.
+
+    Garbage or no time at all: abandoned. Owner in this boot and PID namespace: this very
+    process's claim is never abandoned to itself (another manager of the process may be
+    saving), one whose pid is gone is (provably dead). Otherwise only a heartbeat older than
+    ``stale_after_s`` makes it abandoned; a pid that is not alive here proves nothing about
+    another namespace.
+    """
+    if not isinstance(doc, dict):
+        return True
+    beat = _beat(doc)
+    if beat is None:
+        return True
+    me = me if me is not None else owner_identity()
+    pid = doc.get("pid")
+    if _same_pid_namespace(doc, me) and isinstance(pid, int) and not isinstance(pid, bool):
+        if pid == me["pid"]:
+            return False
+        if not _pid_alive(pid):
+            return True
+    return (time.time() if now is None else now) - beat > stale_after_s
+
+
+def describe_claim(doc: object, *, now: float | None = None) -> str:
+    """A claim's owner and heartbeat age in words (``mithril gc`` says why it skips one)."""
+    if not isinstance(doc, dict):
+        return "no readable claim"
+    me = owner_identity()
+    where = "this PID namespace" if _same_pid_namespace(doc, me) else "another PID namespace"
+    beat = _beat(doc)
+    age = "no heartbeat" if beat is None else \
+        f"heartbeat {max(0.0, (time.time() if now is None else now) - beat):.0f} s ago"
+    return f"pid {doc.get('pid')} on host {doc.get('host')} ({where}), {age}"
+
+
+@dataclass
+class Claim:
+    """A version number this process reserved, and what proves the claim is still its own."""
+
+    number: int
+    #: the claim file's content as written (``token`` identifies the owner)
+    doc: dict[str, Any]
+    #: set when a renewal found the claim removed or replaced: the save must not commit
+    lost: bool = False
+    #: why the claim was lost, for the error the save raises
+    reason: str = ""
+
+    @property
+    def token(self) -> str:
+        return str(self.doc["token"])
 
 
 class RunCatalog:
     """Read and commit the metadata of one run in one store."""
 
-    def __init__(self, store: Store, layout: RunLayout) -> None:
+    def __init__(self, store: Store, layout: RunLayout, *,
+                 claim_stale_s: float = CLAIM_STALE_S) -> None:
         self.store = store
         self.layout = layout
+        #: a claim whose heartbeat is older than this is abandoned (see the module doc)
+        self.claim_stale_s = claim_stale_s
         self._manifests: dict[str, VersionManifest] = {}
         self._damaged: set[str] = set()
 
@@ -99,6 +208,8 @@ class RunCatalog:
         for k in m.all_keys():  # blobs may be shared with earlier versions, never other runs
             if not self.layout.owns(k):
                 raise InvalidFormat(f"{key}: names key {k!r} outside its run")
+        if m.config is not None and not self.layout.owns(m.config.key):  # verify reads it
+            raise InvalidFormat(f"{key}: names config key {m.config.key!r} outside its run")
         self._manifests[key] = m
         return m
 
@@ -125,26 +236,146 @@ class RunCatalog:
         out.sort(key=lambda m: (m.step, m.version_id))
         return out
 
-    async def claim_version(self) -> int:
+    async def claim(self, bases: Iterable[str] = ()) -> Claim:
         """Reserve the next free version number (atomic put_if_absent of a claim file).
 
-        Only the version folders' names are needed, so one level is listed (``list_dir``),
-        not every blob key of the run; a number taken meanwhile just moves the claim on."""
+        The claim names its owner (:func:`owner_identity`, a random token) and ``bases``: the
+        committed versions this save's deltas and references read, which retention keeps
+        while the claim is live. Only the version folders' names are needed, so one level is
+        listed (``list_dir``), not every blob key of the run; a number taken meanwhile just
+        moves the claim on."""
         n = max(await self._folder_numbers(), default=0) + 1
-        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                            "t": time.time()}).encode()
+        now = time.time()
+        doc = {**owner_identity(), "token": secrets.token_hex(16), "t": now, "hb": now,
+               "bases": sorted(set(bases))}
+        data = json.dumps(doc).encode()
         for _ in range(1000):
             try:
-                await self.store.put_if_absent(self.layout.claim_key(n), claim)
-                return n
+                await self.store.put_if_absent(self.layout.claim_key(n), data)
+                return Claim(n, doc)
             except KeyExists:
                 n += 1
             except BaseException:
                 # the claim may have landed before the failure (the directory fsync after the
                 # link failed, a cancel): remove it, but only if it is ours, not another's
-                await asyncio.shield(self._drop_claim(n, claim))
+                await asyncio.shield(self._drop_claim(n, data))
                 raise
         raise RuntimeError("could not claim a version number after 1000 attempts")
+
+    async def claim_version(self) -> int:
+        """Reserve the next free version number (a claim without bases or heartbeat)."""
+        return (await self.claim()).number
+
+    async def read_claim(self, n: int) -> dict[str, Any] | None:
+        """Version ``n``'s claim as written; None if there is none or it is not a JSON object."""
+        try:
+            doc = json.loads(await self.get_metadata(self.layout.claim_key(n)))
+        except (KeyNotFound, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    async def claim_is_own(self, claim: Claim) -> bool:
+        """Whether ``claim``'s file still carries its token (not removed, not replaced)."""
+        doc = await self.read_claim(claim.number)
+        return doc is not None and doc.get("token") == claim.token
+
+    async def renew_claim(self, claim: Claim) -> bool:
+        """One heartbeat: rewrite the claim's ``hb`` with a compare-and-swap write, so a
+        claim another process removed or replaced is never overwritten. False (and
+        ``claim.lost`` set) once the claim is no longer ours; a failing store only logs."""
+        key = self.layout.claim_key(claim.number)
+        try:
+            data, etag = await self.store.get_with_etag(key)
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("token") != claim.token:
+                claim.lost, claim.reason = True, f"{key} was replaced by another process"
+                return False
+            claim.doc = {**doc, "hb": time.time()}
+            await self.store.put_if_match(key, json.dumps(claim.doc).encode(), etag)
+        except KeyNotFound:
+            claim.lost, claim.reason = True, f"{key} was removed by another process"
+            return False
+        except PreconditionFailed:  # changed between read and write: the next beat decides
+            return True
+        except (ValueError, OSError) as err:
+            log.warning("could not renew the claim %s (will retry): %r", key, err)
+        return True
+
+    async def keep_claim_alive(self, claim: Claim, interval: float) -> None:
+        """Renew ``claim`` every ``interval`` seconds until cancelled or lost (a task that
+        runs beside the save on its event loop)."""
+        while True:
+            await asyncio.sleep(interval)
+            if not await self.renew_claim(claim):
+                break
+        if claim.lost:
+            log.warning("lost the claim of %s: %s", version_id(claim.number), claim.reason)
+
+    async def claim_is_stale(self, n: int, stale_after_s: float | None = None) -> bool:
+        """Whether version ``n``'s claim is abandoned (:func:`claim_doc_stale`)."""
+        return claim_doc_stale(await self.read_claim(n), self._stale_bound(stale_after_s))
+
+    def _stale_bound(self, stale_after_s: float | None) -> float:
+        return self.claim_stale_s if stale_after_s is None else stale_after_s
+
+    async def unfinished(self, *, stale_after_s: float | None = None
+                         ) -> tuple[list[int], dict[int, dict[str, Any]]]:
+        """(abandoned, live) unfinished versions: version folders without a manifest, split
+        by whether their claim is stale; live ones map to their claim."""
+        bound = self._stale_bound(stale_after_s)
+        me = owner_identity()
+        stale: list[int] = []
+        live: dict[int, dict[str, Any]] = {}
+        for n, committed in sorted((await self.version_numbers()).items()):
+            if committed:
+                continue
+            doc = await self.read_claim(n)
+            if doc is None or claim_doc_stale(doc, bound, me=me):
+                stale.append(n)
+            else:
+                live[n] = doc
+        return stale, live
+
+    async def live_claim_bases(self, committed: Collection[str]) -> set[str]:
+        """Version ids named as bases by the live claims of unfinished saves: a save still
+        running may be encoding deltas against them, so retention keeps them.
+
+        ``committed``: the committed version ids. One listing of ``versions/`` shows which
+        unfinished folders hold a claim; only those claims are read (a claimless leftover
+        costs nothing, however many there are)."""
+        prefix = self.layout.versions_prefix
+        claimed: set[int] = set()
+        for key in await self.store.list(prefix):
+            folder, _, name = key[len(prefix):].partition("/")
+            if name != "_claim.json" or folder in committed:
+                continue
+            with contextlib.suppress(InvalidFormat):
+                claimed.add(version_number(folder))
+        me = owner_identity()
+        out: set[str] = set()
+        for n in sorted(claimed):
+            doc = await self.read_claim(n)
+            if doc is None or claim_doc_stale(doc, self.claim_stale_s, me=me):
+                continue
+            bases = doc.get("bases")
+            if isinstance(bases, list):
+                out |= {b for b in bases if isinstance(b, str)}
+        return out
+
+    async def missing_bases(self, refs: Iterable[BaseRef]) -> list[BaseRef]:
+        """Those of ``refs`` (delta bases, tensor holders) whose version is no longer
+        committed or whose blob is gone: a blob encoded against them would not restore."""
+        unique = {(r.version_id, r.key): r for r in refs}
+
+        async def gone(r: BaseRef) -> bool:
+            try:
+                mkey = self.layout.manifest_key(version_number(r.version_id))
+            except InvalidFormat:
+                return True
+            return not (await self.store.exists(mkey) and await self.store.exists(r.key))
+
+        flags = await asyncio.gather(*(gone(r) for r in unique.values()))
+        return [r for r, g in zip(unique.values(), flags, strict=True) if g]
 
     async def get_metadata(self, key: str, *, size_only: bool = False) -> bytes:
         """A metadata file's bytes; one over ``MAX_METADATA_BYTES`` is refused before it is
@@ -160,35 +391,26 @@ class RunCatalog:
             if await self.store.get(self.layout.claim_key(n)) == claim:
                 await self.store.delete(self.layout.claim_key(n))
 
-    async def clean_unfinished(self, *, stale_after_s: float = STALE_CLAIM_S,
+    async def clean_unfinished(self, *, stale_after_s: float | None = None,
                                orphan_age_s: float = 600.0) -> list[str]:
-        """Remove version folders without a manifest whose writer is gone; return them."""
-        removed = []
-        nums = await self.version_numbers()
-        for n, committed in nums.items():
-            if committed:
-                continue
-            if not await self.claim_is_stale(n, stale_after_s):
-                continue
-            for key in await self.store.list(self.layout.version_dir(n) + "/"):
-                await self.store.delete(key)
-            removed.append(self.layout.version_dir(n))
-        await self.store.cleanup_incomplete(self.layout.root + "/", orphan_age_s)
-        return removed
+        """Remove version folders without a manifest whose writer is gone; return them.
 
-    async def claim_is_stale(self, n: int, stale_after_s: float) -> bool:
-        try:
-            info = json.loads(await self.store.get(self.layout.claim_key(n)))
-        except (KeyNotFound, ValueError):
-            return True  # no claim (retention killed half-way) or garbage: abandoned
-        if not isinstance(info, dict):
-            return True
-        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-            if info["pid"] == os.getpid():
-                return False
-            return not _pid_alive(info["pid"])
-        t = info.get("t")
-        return not isinstance(t, (int, float)) or time.time() - t > stale_after_s
+        A gone writer's multipart uploads and temp files are removed whatever their age; a
+        live writer's (fresh claim) are never touched, however old (an upload's start time
+        does not advance while its parts arrive); elsewhere in the run only those older than
+        ``orphan_age_s`` go."""
+        stale, live = await self.unfinished(stale_after_s=stale_after_s)
+        removed = []
+        for n in stale:
+            folder = self.layout.version_dir(n) + "/"
+            for key in await self.store.list(folder):
+                await self.store.delete(key)
+            await self.store.cleanup_incomplete(folder)
+            removed.append(self.layout.version_dir(n))
+        await self.store.cleanup_incomplete(
+            self.layout.root + "/", orphan_age_s,
+            skip=[self.layout.version_dir(n) + "/" for n in live])
+        return removed
 
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a
@@ -197,26 +419,43 @@ class RunCatalog:
 
         Once the manifest is gone, a failing delete (e.g. the directory fsync after an unlink)
         does not stop the others: the rest is removed and the first error raised, so a
-        long-running process does not keep an unclaimed half-deleted folder until restart."""
+        long-running process does not keep an unclaimed half-deleted folder until restart.
+        The claim goes before the folder is listed, and a failed claim delete is tried once
+        more at the end: a claim without a manifest looks like a save in progress (retention
+        reads it, keeps what it names), a claimless folder is plain garbage."""
         n = version_number(vid)
         mkey = self.layout.manifest_key(n)
-        first: Exception | None = None
+        errors: list[Exception] = []
         try:
             await self.store.delete(mkey)
         except Exception as err:
             if await self.store.exists(mkey):
                 raise  # still committed: its claim and files stay with it
-            first = err
+            errors.append(err)
         self._manifests.pop(mkey, None)
         claim = self.layout.claim_key(n)
-        rest = [k for k in await self.store.list(self.layout.version_dir(n) + "/") if k != claim]
-        for key in (claim, *rest):
+
+        async def delete(key: str) -> bool:
             try:
                 await self.store.delete(key)
             except Exception as err:
-                first = first or err
-        if first is not None:
-            raise first
+                errors.append(err)
+                return False
+            return True
+
+        claim_gone = await delete(claim)
+        try:
+            rest = [k for k in await self.store.list(self.layout.version_dir(n) + "/")
+                    if k != claim]
+        except Exception as err:
+            errors.append(err)
+            rest = []
+        for key in rest:
+            await delete(key)
+        if not claim_gone:
+            await delete(claim)
+        if errors:
+            raise errors[0]
 
     # ---------------------------------------------------------------- aliases
     async def read_alias(self, name: str) -> AliasFile | None:

@@ -136,3 +136,20 @@ class SnapshotTorn(MithrilError, RuntimeError):
 
 
 __all__ += ["SnapshotTorn"]
+
+
+class LockTimeout(StorageError, TimeoutError):
+    """A store lock stayed held by someone else for longer than the configured bound; the
+    message names the lock file (another process, or a user who can open it, holds it)."""
+
+
+__all__ += ["LockTimeout"]
+
+
+class ClaimLost(StorageError):
+    """A save's version claim stopped being its own before the commit (removed or replaced by
+    another process that judged it abandoned), or a blob it wrote is gone or has the wrong
+    size: nothing is published. The message names the claim or blob."""
+
+
+__all__ += ["ClaimLost"]

@@ -127,7 +127,8 @@ class CheckpointManager:
         if cfg.run_id is None and isinstance(self.coordinator, DistCoordinator):
             self.run_id = self.coordinator.broadcast_from_zero(self.run_id, "agree_run_id")
         self.layout = RunLayout(runs_prefix or "runs", self.run_id)
-        self.catalog = RunCatalog(self.store, self.layout)
+        self.catalog = RunCatalog(self.store, self.layout,
+                                  claim_stale_s=cfg.pipeline.claim_stale_s)
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads, "mithril-codec", initializer=lower_priority,
@@ -150,8 +151,12 @@ class CheckpointManager:
         self._reader = VersionReader(self.catalog, codec=self._codec, pool=self._pool)
         self._loop: BackgroundLoop | None = None
         self._inflight: concurrent.futures.Future[SaveResult] | None = None
+        #: the last save's handle: whether its caller already saw its error
+        self._handle: SaveHandle | None = None
         self._error: BaseException | None = None
         self._closed = False
+        #: whether the start's writing part (cleanup, alias repairs) has run (see _maintain)
+        self._maintained = False
         #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
         self._guard: StepGuard | None = None
 
@@ -181,37 +186,57 @@ class CheckpointManager:
     # ------------------------------------------------------------ lifecycle
     @property
     def loop(self) -> BackgroundLoop:
+        """The background loop, started (with the start-up maintenance) on first use."""
+        return self._started(maintain=True)
+
+    def _started(self, *, maintain: bool) -> BackgroundLoop:
+        """Start the loop if needed; with ``maintain`` also the start's writing part.
+
+        Restores and queries start read-only (``maintain=False``): a process that only
+        reads a run (an evaluation job) never deletes or aborts anything in it and writes no
+        alias; the maintenance then runs at its first save, or on entering ``with``."""
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self._loop is None:
             self._loop = BackgroundLoop(nice=self.cfg.pipeline.background_nice)
-            self._loop.run(self._start())
+            self._loop.run(self._start(maintain))
+        elif maintain and not self._maintained:
+            self._loop.run(self._maintain())
         return self._loop
 
-    async def _start(self) -> None:
-        # Only rank 0 cleans and creates aliases. No barrier is needed: other ranks write only
-        # into versions that rank 0 claimed, and it claims only after this start has finished.
-        if self.rank == 0:
-            removed = await self.catalog.clean_unfinished(
-                orphan_age_s=self.cfg.pipeline.orphan_age_s)
-            if removed:
-                log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
-            try:
-                await self.catalog.ensure_best_pending(self.cfg.best_metric_name,
-                                                       self.cfg.best_mode)
-                # a writer killed between its manifest and its alias moves: finish them now
-                if await self.catalog.repair_aliases(self.cfg.best_metric_name,
-                                                     self.cfg.best_mode):
-                    log.warning("moved aliases to committed versions a killed writer left")
-                    await self.catalog.update_run_manifest(self._ctx.root_local(),
-                                                           self._ctx.root_remote())
-            except InvalidFormat as err:  # a damaged alias must not stop the manager
-                log.warning("could not check the aliases of run %s: %s", self.run_id, err)
+    async def _start(self, maintain: bool) -> None:
+        if maintain:
+            await self._maintain()
         self._ctx.steps = {m.step for m in await self.catalog.versions(skip_damaged=True)}
 
+    async def _maintain(self) -> None:
+        """Remove what unfinished saves of gone writers left, create the pending ``best``
+        alias and finish a killed writer's alias moves.
+
+        Only rank 0 cleans and creates aliases. No barrier is needed: other ranks write only
+        into versions that rank 0 claimed, and it claims only after this has finished. Live
+        saves of other processes (fresh claims) are never touched (catalog.py)."""
+        self._maintained = True
+        if self.rank != 0:
+            return
+        removed = await self.catalog.clean_unfinished(
+            orphan_age_s=self.cfg.pipeline.orphan_age_s)
+        if removed:
+            log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
+        try:
+            await self.catalog.ensure_best_pending(self.cfg.best_metric_name, self.cfg.best_mode)
+            # a writer killed between its manifest and its alias moves: finish them now
+            if await self.catalog.repair_aliases(self.cfg.best_metric_name, self.cfg.best_mode):
+                log.warning("moved aliases to committed versions a killed writer left")
+                await self.catalog.update_run_manifest(self._ctx.root_local(),
+                                                       self._ctx.root_remote())
+        except InvalidFormat as err:  # a damaged alias must not stop the manager
+            log.warning("could not check the aliases of run %s: %s", self.run_id, err)
+
     def _bg(self, coro: Any) -> Any:
-        """Run ``coro`` on the background loop, blocking the calling thread."""
-        return self.loop.run(coro)
+        """Run ``coro`` on the background loop, blocking the calling thread (a read: the
+        loop starts read-only if this is its first use)."""
+        return self._started(maintain=False).run(coro)
 
     async def __aenter__(self) -> CheckpointManager:
         _ = self.loop
@@ -223,7 +248,7 @@ class CheckpointManager:
             if et is None:
                 await self.wait_until_finished()
         finally:
-            self.close(wait=False)
+            self._close(wait=False, report=et is None)
 
     def __enter__(self) -> CheckpointManager:
         _ = self.loop
@@ -235,16 +260,32 @@ class CheckpointManager:
             if et is None:
                 self.wait()
         finally:
-            self.close(wait=False)
+            self._close(wait=False, report=et is None)
 
     def close(self, wait: bool = True) -> None:
-        """Finish (or with ``wait=False`` abandon) the in-flight save and release resources."""
+        """Finish (or with ``wait=False`` abandon) the in-flight save and release resources.
+
+        Raises :class:`SaveFailed` (after releasing everything) when the last save failed
+        and no earlier call reported it (its ``handle.result()``, ``wait()``,
+        ``check_for_errors()``, the next ``save()``): a failure must never end up only in
+        the log."""
+        self._close(wait, report=True)
+
+    def _close(self, wait: bool, *, report: bool) -> None:
+        """``report=False`` (an exception is already propagating out of ``with``): a save
+        failure nobody has seen is logged instead of replacing that exception."""
         if self._closed:
             return
+        unseen: BaseException | None = None
         try:
             if wait and self._inflight is not None:
                 concurrent.futures.wait([self._inflight])
         finally:
+            fut = self._inflight
+            if fut is None or fut.done():  # an abandoned save (wait=False) is no failure
+                unseen = self._take_error()
+            if self._handle is not None and self._handle.error_seen:
+                unseen = None  # handle.result() raised it to the caller
             self._closed = True
             if self._guard is not None:
                 self._guard.remove()
@@ -255,6 +296,11 @@ class CheckpointManager:
             self.coordinator.close()
             for chain in self._ctx.chains.values():
                 chain.release()
+        if unseen is not None:
+            if report:
+                raise SaveFailed(f"a background save failed: {unseen}") from unseen
+            log.error("a background save failed (not raised: another exception is "
+                      "propagating): %r", unseen)
 
     # ------------------------------------------------------------ queries
     def should_save(self, step: int) -> bool:
@@ -276,15 +322,20 @@ class CheckpointManager:
 
         A save the caller cancelled (``handle.future.cancel()``, a timeout around it) is not
         an error: it published nothing, and the manager goes on."""
+        err = self._take_error()
+        if err is not None:
+            raise SaveFailed(f"a background save failed: {err}") from err
+
+    def _take_error(self) -> BaseException | None:
+        """The error of a failed save not yet reported (then forgotten: reported once)."""
         fut = self._inflight
         if fut is not None and fut.done():
             self._inflight = None
             exc = None if fut.cancelled() else fut.exception()
             if exc is not None:
                 self._error = exc
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise SaveFailed(f"a background save failed: {err}") from err
+        err, self._error = self._error, None
+        return err
 
     # ------------------------------------------------------------ save
     async def save(self, step: int, metrics: Mapping[str, Any] | None = None,
@@ -365,7 +416,8 @@ class CheckpointManager:
         res = job.begin(metrics, waited)
         fut = self.loop.submit(job.run())
         self._inflight = fut
-        return SaveHandle(res, fut)
+        self._handle = SaveHandle(res, fut)
+        return self._handle
 
     async def wait_until_finished(self) -> None:
         """Wait for the in-flight save; raise :class:`SaveFailed` if it failed."""
@@ -390,7 +442,8 @@ class CheckpointManager:
         ``fallback=True``: if the target fails verification, the newest older version that
         verifies is loaded instead (and a warning names what was skipped).
         """
-        decoded = await asyncio.wrap_future(self.loop.submit(self._read(target, fallback, load)))
+        loop = self._started(maintain=False)
+        decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load)))
         self._apply(decoded, load)
         return decoded.manifest.step
 

@@ -154,8 +154,10 @@ async def plan_deletions(catalog: RunCatalog, policy: Policy | None, *,
     """The committed versions ``policy`` lets go, newest first (nothing is deleted).
 
     Always kept: the targets of ``latest`` and ``best``, the newest version (it may be a
-    version whose alias move a killed writer never made), and every delta base of a kept one.
-    ``versions``: the run's committed versions, oldest first, if the caller has them.
+    version whose alias move a killed writer never made), every base a live save of another
+    process names in its claim (it may be encoding deltas against it right now), and every
+    delta base of a kept one. ``versions``: the run's committed versions, oldest first, if
+    the caller has them.
     """
     if policy is None:
         return []
@@ -168,6 +170,8 @@ async def plan_deletions(catalog: RunCatalog, policy: Policy | None, *,
         alias = await catalog.read_alias(name)
         if alias is not None and alias.version_id:
             protected.add(alias.version_id)
+    # read last, right before the caller deletes: a claim written later re-checks its bases
+    protected |= await catalog.live_claim_bases({v.version_id for v in versions})
     _, delete = plan_retention(versions, policy, protected)
     by_id = {v.version_id: v for v in versions}
     return [by_id[vid] for vid in delete]

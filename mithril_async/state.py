@@ -16,7 +16,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from mithril_async.errors import UnsupportedStateType
+from mithril_async.errors import InvalidFormat, UnsupportedStateType
+
+#: the dtypes a skeleton's ``{"dt": name}`` may name: torch's dtype objects by the name the
+#: writer gives them (``str(dtype)`` without ``torch.``). A lookup of any attribute of torch
+#: would hand a hostile skeleton functions such as ``torch.load``.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+#: numpy scalar kinds a skeleton's ``{"np": dtype}`` may name (what the writer stores: bool,
+#: integers, floats, complex); others (``V``oid, ``O``bject, strings) could allocate at will
+_NUMPY_KINDS = "biufc"
 
 
 @runtime_checkable
@@ -49,7 +58,7 @@ class TensorDict:
 
 @runtime_checkable
 class JsonStateful(Protocol):
-    """A data loader / batcher whose position is small JSON (seed 002 ``get_state``).
+    """A data loader / batcher whose position is small JSON (``get_state``/``set_state``).
 
     The state may carry ``"exact": False`` to say replay from it is best-effort only.
     """
@@ -161,9 +170,12 @@ def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if "f" in x:
             return float(x["f"])
         if "np" in x:
-            return np.dtype(x["np"]).type(dec(x["v"]))
+            return _numpy_scalar_type(x["np"])(dec(x["v"]))
         if "dt" in x:
-            return getattr(torch, x["dt"])
+            dt = TORCH_DTYPES.get(x["dt"]) if isinstance(x["dt"], str) else None
+            if dt is None:
+                raise InvalidFormat(f"state skeleton names an unknown torch dtype {x['dt']!r}")
+            return dt
         if "dev" in x:
             return torch.device(x["dev"])
         if "B" in x:
@@ -171,6 +183,17 @@ def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         raise ValueError(f"unknown skeleton node {sorted(x)}")
 
     return dec(skeleton)
+
+
+def _numpy_scalar_type(name: Any) -> Any:
+    """The numpy scalar type a skeleton names, if it is one the writer can have stored."""
+    try:
+        dt = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in _NUMPY_KINDS:
+        raise InvalidFormat(f"state skeleton names an unsupported numpy scalar type {name!r}")
+    return dt.type
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -84,7 +84,16 @@ TRAILER = struct.Struct("<QQQQQQQI4sQ")  # header_length, index_offset, index_le
 #   index_count, header_xxh64, index_xxh64, total_size, version, "MCKE", trailer_xxh64
 TRAILER_SIZE = TRAILER.size + HASH.size  # + xxh64 of all preceding bytes of the blob
 MAX_PLANES = 32
-MAX_HEADER_JSON = 1 << 30  # sanity bound on the decompressed header
+#: bounds on a header, checked before it is decompressed and parsed: its stored (zstd) size,
+#: and its JSON size, which may be at most HEADER_EXPANSION x the stored size (plus
+#: HEADER_SLACK, for small headers whose skeleton repeats a value) and never above
+#: MAX_HEADER_JSON. Parsed JSON costs up to ~24x its size in Python objects, so a 44 KB header
+#: claiming 45 MB of ``[[],[],...]`` would cost ~1 GB; real headers compress 5-50x (tensor
+#: tables, optimizer skeletons; measured on GPT-2-like models with AdamW state).
+MAX_HEADER_STORED = 64 << 20
+HEADER_EXPANSION = 128
+HEADER_SLACK = 1 << 20
+MAX_HEADER_JSON = 256 << 20
 MAX_CHUNK = (1 << 30) + 64  # no chunk is longer (CodecParams.chunk_bytes <= 1 GiB)
 
 
@@ -365,6 +374,8 @@ def _parse_trailer(tail: bytes | memoryview, total_size: int) -> _Trailer:
     if (ilen != icount * INDEX_ENTRY.size or ioff + ilen + TRAILER_SIZE != total
             or PREAMBLE.size + hlen > ioff):
         raise InvalidFormat("trailer: inconsistent header/index offsets")
+    if hlen > MAX_HEADER_STORED:  # before a ranged reader fetches it
+        raise InvalidFormat(f"trailer: header of {hlen} bytes (at most {MAX_HEADER_STORED})")
     return _Trailer(hlen, ioff, ilen, icount, hxxh, ixxh, total, version)
 
 
@@ -389,8 +400,10 @@ def _parse_head(head: bytes | memoryview, tr: _Trailer) -> tuple[int, int, dict[
     try:
         dctx = zstandard.ZstdDecompressor()
         size = zstandard.frame_content_size(head[PREAMBLE.size:])
-        if not 0 <= size <= min(MAX_HEADER_JSON, 1024 * len(head) + (1 << 20)):
-            raise InvalidFormat(f"header declares an absurd size {size}")
+        limit = min(MAX_HEADER_JSON, HEADER_EXPANSION * hlen + HEADER_SLACK)
+        if not 0 <= size <= limit:  # before decompressing or parsing anything
+            raise InvalidFormat(f"blob header of {hlen} bytes declares {size} bytes of JSON "
+                                f"(at most {limit} for its size)")
         header = json.loads(dctx.decompress(head[PREAMBLE.size:], max_output_size=size))
     except (zstandard.ZstdError, ValueError) as e:
         raise InvalidFormat(f"blob header does not decode: {e}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Coroutine
@@ -77,6 +78,16 @@ def locate(path: str) -> Target:
         raise VersionNotFound(f"{path}: not a runs folder, run, version or checkpoint file "
                               "(no runs/<run_id>/versions/ inside)")
     return Target(p, "runs", p, runs)
+
+
+def refuse_overwrite(out: Path, force: bool, command: str) -> bool:
+    """Whether ``command`` must stop because ``out`` exists (said on stderr) and ``--force``
+    was not given: the commands that write a file (restore, decompress) never replace one
+    silently, so a mistyped path cannot cost a file the user wanted."""
+    if force or not os.path.lexists(out):
+        return False
+    print(f"mithril {command}: error: {out} exists (use --force to replace it)", file=sys.stderr)
+    return True
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

@@ -1,15 +1,17 @@
 """``mithril decompress FILE.mckp``: back to ``.safetensors`` (default) or ``.pt``.
 
 The output ``.safetensors`` is readable by ``safetensors.safe_open`` and carries the original
-file's ``__metadata__``; every block checksum is verified before anything is written.
+file's ``__metadata__``; every block checksum is verified before anything is written. An
+existing output is replaced only with ``--force`` (as ``restore`` does).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from mithril_async.commands._common import human, print_json
+from mithril_async.commands._common import human, print_json, refuse_overwrite
 
 
 def add_parser(sub: Any) -> None:
@@ -19,6 +21,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-o", "--out", default=None,
                    help="output .safetensors or .pt (default: FILE with .safetensors)")
     p.add_argument("--threads", type=int, default=None, help="codec threads (default: all)")
+    p.add_argument("--force", action="store_true", help="replace the output if it exists")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -26,7 +29,10 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from mithril_async.integrations.safetensors_file import decompress_file
 
-    res = decompress_file(args.src, args.out, threads=args.threads)
+    out = Path(args.out) if args.out is not None else Path(args.src).with_suffix(".safetensors")
+    if refuse_overwrite(out, args.force, "decompress"):
+        return 1
+    res = decompress_file(args.src, out, threads=args.threads)
     if args.json:
         print_json({"source": res.src, "to": res.dst, "tensors": res.tensors,
                     "raw_bytes": res.raw_bytes, "bytes": res.out_bytes})

@@ -1,11 +1,14 @@
 """``mithril gc PATH [--dry-run]``: remove what no committed version needs.
 
-Removed: folders of unfinished saves whose writer is gone (no manifest, stale claim — a live
-save's fresh claim is never touched), files inside committed version folders that their
-manifest does not name, and leftover temp files. With ``--keep-last``/``--keep-best``/
-``--keep-every`` also whole versions, by the library's retention planner: alias targets and
-every delta base of a kept version are always kept. ``--dry-run`` lists what would go and how
-many bytes that frees, and changes nothing.
+Removed: folders of unfinished saves whose writer is gone (no manifest, and a claim whose
+heartbeat stopped more than --claim-stale seconds ago, or whose writer is provably dead),
+files inside committed version folders that their manifest does not name, and temp files /
+multipart uploads older than --orphan-age. With ``--keep-last``/``--keep-best``/
+``--keep-every`` also whole versions, by the library's retention planner: alias targets,
+every delta base of a kept version and every base a live save names are always kept.
+A live save (fresh claim) is never touched, nor a temp file younger than --orphan-age
+(another process may be writing it). ``--dry-run`` lists what would go and how many bytes
+that frees, and what is skipped and why, and changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import sys
 from typing import Any
 
 from mithril_async.commands._common import Target, human, locate, print_json, run_async, table
+
+#: the config's defaults ([checkpointing.pipeline] claim_stale_s, orphan_age_s), repeated here
+#: so ``mithril --help`` need not import the config models (tests/faults/test_shared_run.py
+#: checks they agree)
+CLAIM_STALE_S = 300.0
+ORPHAN_AGE_S = 600.0
 
 
 def add_parser(sub: Any) -> None:
@@ -27,8 +36,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--metric", default=None, help="metric of --keep-best")
     p.add_argument("--mode", choices=("min", "max"), default="min", help="of --keep-best")
     p.add_argument("--keep-every", type=int, default=None, metavar="STEPS")
-    p.add_argument("--stale-hours", type=float, default=6.0,
-                   help="an unfinished save from another host is abandoned after this long")
+    p.add_argument("--claim-stale", type=float, default=CLAIM_STALE_S, metavar="SECONDS",
+                   help="an unfinished save whose claim's heartbeat is older than this is "
+                        "abandoned (default: the config's pipeline.claim_stale_s, %(default)s)")
+    p.add_argument("--orphan-age", type=float, default=ORPHAN_AGE_S, metavar="SECONDS",
+                   help="temp files / uploads younger than this may belong to a running save "
+                        "and are kept (default: the config's pipeline.orphan_age_s, "
+                        "%(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -42,27 +56,48 @@ async def _size(store: Any, key: str) -> int:
 
 async def plan_run(target: Target, run_id: str, args: argparse.Namespace
                    ) -> list[dict[str, Any]]:
-    """What gc would delete in one run: [{kind, what, keys, bytes}]."""
+    """What gc would do in one run: [{kind, what, keys, bytes}], and [{kind: "skip", what,
+    why}] for what it leaves alone. Kinds: unfinished, orphan, incomplete, retention, skip."""
+    from mithril_async.catalog import describe_claim
     from mithril_async.manifest import version_number
     from mithril_async.retention import from_options, plan_deletions
+    from mithril_async.storage.base import key_in_prefix
 
     if args.keep_best and not args.metric:
         raise ValueError("--keep-best needs --metric")
     cat = target.catalog(run_id)
+    cat.claim_stale_s = args.claim_stale
     store, lay = cat.store, cat.layout
     out: list[dict[str, Any]] = []
-    nums = await cat.version_numbers()
-    for n, committed in sorted(nums.items()):
-        keys = await store.list(lay.version_dir(n) + "/")
+    stale, live = await cat.unfinished()
+    for n in stale:
+        out.append({"kind": "unfinished", "what": lay.version_dir(n),
+                    "keys": await store.list(lay.version_dir(n) + "/")})
+    for n, doc in live.items():
+        out.append({"kind": "skip", "what": lay.version_dir(n), "keys": [], "live": True,
+                    "why": f"live save: {describe_claim(doc)}"})
+    for n, committed in sorted((await cat.version_numbers()).items()):
         if not committed:
-            if await cat.claim_is_stale(n, args.stale_hours * 3600):
-                out.append({"kind": "unfinished", "what": lay.version_dir(n), "keys": keys})
             continue
+        keys = await store.list(lay.version_dir(n) + "/")
         m = await cat.read_manifest(lay.manifest_key(n))
         named = set(m.all_keys()) | {lay.manifest_key(n), lay.claim_key(n)}
         orphans = [k for k in keys if k not in named]
         if orphans:
             out.append({"kind": "orphan", "what": lay.version_dir(n), "keys": orphans})
+    live_dirs = [lay.version_dir(n) for n in live]
+    dead_dirs = [lay.version_dir(n) for n in stale]
+    for left in await store.list_incomplete(lay.root + "/"):
+        if any(key_in_prefix(left.key, d) for d in live_dirs):
+            why = "part of a live save"
+        elif left.age_s < args.orphan_age and not any(key_in_prefix(left.key, d)
+                                                      for d in dead_dirs):
+            why = (f"{left.age_s:.0f} s old, younger than --orphan-age {args.orphan_age:g} s: "
+                   "may belong to a running save")
+        else:
+            out.append({"kind": "incomplete", "what": left.key, "keys": []})
+            continue
+        out.append({"kind": "skip", "what": left.key, "keys": [], "why": why})
     policy = from_options(keep_last=args.keep_last, keep_best=args.keep_best,
                           metric=args.metric, mode=args.mode,
                           keep_every_n_steps=args.keep_every)
@@ -74,15 +109,24 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
     return out
 
 
-async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]]) -> None:
+async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
+                    args: argparse.Namespace) -> None:
+    """Carry out ``plan``; leftovers of unfinished writes go by the same rules it was made
+    with (a gone writer's whatever their age, a live save's never, others by age)."""
     cat = target.catalog(run_id)
+    lay = cat.layout
+    live = [i["what"] + "/" for i in plan if i.get("live")]
     for item in plan:
         if item["kind"] == "retention":
             await cat.delete_version(item["what"])
-        else:
+        elif item["kind"] == "unfinished":
             for key in item["keys"]:
                 await cat.store.delete(key)
-    await cat.store.cleanup_incomplete(cat.layout.root + "/")
+            await cat.store.cleanup_incomplete(item["what"] + "/")
+        elif item["kind"] == "orphan":
+            for key in item["keys"]:
+                await cat.store.delete(key)
+    await cat.store.cleanup_incomplete(lay.root + "/", args.orphan_age, skip=live)
     if any(i["kind"] == "retention" for i in plan):
         root = getattr(cat.store, "root", None)
         await cat.update_run_manifest(None if root is None else str(root), None)
@@ -93,7 +137,7 @@ async def gc(target: Target, args: argparse.Namespace) -> dict[str, list[dict[st
     for run_id in target.run_ids:
         plans[run_id] = await plan_run(target, run_id, args)
         if not args.dry_run:
-            await apply_run(target, run_id, plans[run_id])
+            await apply_run(target, run_id, plans[run_id], args)
     return plans
 
 
@@ -114,9 +158,12 @@ def run(args: argparse.Namespace) -> int:
     rows = [["RUN", "KIND", "WHAT", "FILES", "SIZE"]]
     for run_id, plan in plans.items():
         rows += [[run_id, i["kind"], i["what"], str(len(i["keys"])), human(i["bytes"])]
-                 for i in plan]
+                 for i in plan if i["kind"] != "skip"]
     if len(rows) > 1:
         table(rows)
+    for i in [i for p in plans.values() for i in p if i["kind"] == "skip"]:
+        print(f"{'would skip' if args.dry_run else 'skipped'} {i['what']}: {i['why']}")
+    done = sum(1 for p in plans.values() for i in p if i["kind"] != "skip")
     verb = "would free" if args.dry_run else "freed"
-    print(f"{verb} {human(total)} in {sum(len(p) for p in plans.values())} item(s)")
+    print(f"{verb} {human(total)} in {done} item(s)")
     return 0

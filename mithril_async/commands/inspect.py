@@ -86,11 +86,13 @@ async def describe_version(target: Any, run_id: str, version: str | None,
                                  "ratio": ratio(ref.raw_bytes, ref.bytes),
                                  "base": ref.base.key if ref.base else None}
         if with_tensors:
-            path = cat.store.local_path(ref.key)
+            # through the store, as verify and restore read: a blob planted as a symlink (to
+            # /etc/passwd, to another run) is refused (UnsafeKey), never followed
             if ref.format == "mckp":
-                entry["detail"] = describe_mckp(path.read_bytes(), ref.key)
+                entry["detail"] = describe_mckp(await cat.store.get(ref.key), ref.key)
             elif ref.format == "safetensors":
-                entry["detail"] = describe_safetensors(path)
+                await cat.store.size(ref.key)  # refuses a symlink, like get
+                entry["detail"] = describe_safetensors(cat.store.local_path(ref.key))
         doc["blobs"].append(entry)
     return doc
 

@@ -19,6 +19,7 @@ from mithril_async.commands._common import (
     human,
     locate,
     print_json,
+    refuse_overwrite,
     resolve_version,
     run_async,
 )
@@ -63,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mithril restore: error: --to {out}: use a .safetensors or .pt file",
               file=sys.stderr)
         return 2
-    if out.exists() and not args.force:
-        print(f"mithril restore: error: {out} exists (use --force to replace it)",
-              file=sys.stderr)
+    if refuse_overwrite(out, args.force, "restore"):
         return 1
     target = locate(args.path)
     if target.kind == "runs":

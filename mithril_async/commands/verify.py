@@ -3,10 +3,11 @@
 PATH is a runs folder (every run), a run folder (every version), a version folder or
 ``manifest.json`` (one version), or an ``.mckp`` file. For each version: the manifest parses
 and names only keys of its run; every blob exists, has the recorded size and xxh64; MCKP blobs
-are decoded block by block, checking each block header, payload and decoded-chunk hash; delta
-bases and referenced tensors are followed (their versions must still hold the exact blob the
-manifest recorded); the config and RNG files exist and match. Aliases and ``run.json`` must
-parse and point at committed versions.
+are decoded one tensor at a time, checking each block header, payload and decoded-chunk hash
+and that the blob decodes to the raw size its manifest records; delta bases and referenced
+tensors are followed (their versions must still hold the exact blob the manifest recorded);
+the config and RNG files exist and match. Aliases and ``run.json`` must parse and point at
+committed versions.
 
 Exit codes: 0 all good; 3 damage found (the message names the file, the block and its byte
 range where one is known); 1 the path could not be read as a checkpoint at all.
@@ -131,13 +132,27 @@ class Verifier:
                 raise Damage(key, detail)
         return data
 
+    async def check_blob(self, ref: Any) -> None:
+        """Decode every tensor of a blob (every block, delta base and tensor reference), one
+        at a time and dropped at once: memory stays at the blob plus one tensor, whatever
+        the blob claims to decode to."""
+        from mithril_async.pipeline.bases import BaseLoader
+
+        if ref.format == "mldc":  # lossy: checked and parsed, decoded only along its chain
+            await self.reader.read(ref)
+            return
+        codec = self.reader.codec
+        async for _name, _tensor in codec.read_each(
+                self.catalog.store, ref, lambda: BaseLoader(self.catalog, codec, ref.key)):
+            pass
+
     async def check_version(self, m: Any) -> None:
         from mithril_async.errors import MithrilError
 
         for ref in m.blobs():
             await self.check_file(ref.key, ref.bytes, ref.xxh64)
             try:
-                await self.reader.read(ref)  # every block, delta base and tensor reference
+                await self.check_blob(ref)
             except MithrilError as err:
                 raise Damage(ref.key, str(err)) from None
             self.blobs += 1

@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoint engine writing compressed files (seed 000 P1, minimal).
+"""DeepSpeed checkpoint engine writing compressed files (minimal).
 
     engine, *_ = deepspeed.initialize(...)
     engine.checkpoint_engine = MithrilCheckpointEngine()
@@ -13,7 +13,10 @@ in parallel, and ``commit`` waits for all of them, so ``latest`` never names a t
 are not durable; a failed write is raised by ``commit``. DeepSpeed states hold Python objects
 (loss scalers, config objects) that DeepSpeed itself pickles, so those leaves are pickled here
 too (``pickle_fallback``) and unpickled on load, as ``torch.load(weights_only=False)`` would.
-Plain DeepSpeed (``torch.save``) files still load. DeepSpeed is not part of the dev
+Plain DeepSpeed (``torch.save``) files still load, pickle allowed: the engine trusts a
+checkpoint folder exactly as far as DeepSpeed itself does (loading an untrusted one runs its
+author's code either way; the Lightning plugin, by contrast, unpickles only when asked).
+DeepSpeed is not part of the dev
 environment: ``tests/integrations/test_deepspeed.py`` runs where it is installed and skips
 elsewhere (docs/INTEGRATIONS.md says how it was run).
 """

@@ -19,6 +19,12 @@ Errors are never swallowed: a failed background write is raised, as
 ``load_checkpoint``, ``remove_checkpoint`` or ``teardown`` call. Loading a path that is still
 being written waits for it. Plain ``torch.save`` checkpoints (files that are not MCKP) still
 load, so switching an existing run to this plugin is safe.
+
+Loading runs no code unless pickle is allowed: a plain ``torch.save`` file is read with
+``torch.load(weights_only=True)`` and pickled leaves stay refused, unless ``allow_pickle``
+(the plugin's ``pickle_fallback``, or Lightning's explicit ``weights_only=False``) says the
+file is trusted; Lightning's ``weights_only=True`` always wins. A planted ``.ckpt`` is a
+pickle, so unpickling it is running its author's code.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +86,23 @@ def load_checkpoint_file(path: str | os.PathLike[str], map_location: Any = None,
                          allow_pickle: bool = False) -> dict[str, Any]:
     """Read what :func:`save_checkpoint_file` wrote (or a plain ``torch.save`` file).
 
-    Pickled leaves are only unpickled with ``allow_pickle`` (plain ``torch.save`` files are
-    pickles as a whole and load as Lightning loads them).
+    Nothing is unpickled unless ``allow_pickle``: pickled leaves are refused and a plain
+    ``torch.save`` file (a pickle as a whole) is read with ``torch.load(weights_only=True)``,
+    which loads tensors and plain containers only. A file that needs more raises
+    :class:`InvalidFormat` naming it; pass ``allow_pickle=True`` only for files you trust.
     """
     p = Path(path)
     with open(p, "rb") as f:
         data = f.read()
     if data[:4] != b"MCKP":
-        loaded: dict[str, Any] = torch.load(p, map_location=map_location, weights_only=False)
+        try:
+            loaded: dict[str, Any] = torch.load(p, map_location=map_location,
+                                                weights_only=not allow_pickle)
+        except pickle.UnpicklingError as err:
+            raise InvalidFormat(f"{p}: a torch.save checkpoint holding Python objects that "
+                                "loading would have to unpickle (run code for); load it with "
+                                "allow_pickle=True only if you trust its source "
+                                f"({str(err).splitlines()[0]})") from None
         return loaded
     meta, tensors = read_tree_file(data, str(p))
     skeleton = meta.get(SKELETON_KEY)
@@ -127,8 +143,10 @@ class MithrilCheckpointIO(CheckpointIO):
     def __init__(self, compression_level: int = 3, *, byte_grouping: bool = True,
                  threads: int | None = None, asynchronous: bool = True,
                  pickle_fallback: bool = False) -> None:
-        """``pickle_fallback=True`` pickles leaves the skeleton cannot hold (and unpickles
-        them on load, as Lightning's own ``torch.load(weights_only=False)`` would)."""
+        """``pickle_fallback=True`` pickles leaves the skeleton cannot hold, and on load
+        unpickles them (and plain ``torch.save`` files) unless Lightning passes
+        ``weights_only=True``. Without it nothing is unpickled unless Lightning passes
+        ``weights_only=False`` (the caller saying the file is trusted)."""
         super().__init__()
         self.pickle_fallback = pickle_fallback
         self.params = CodecParams(level=compression_level, byte_grouping=byte_grouping)
@@ -188,10 +206,13 @@ class MithrilCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        """Load ``path``; the caller's ``weights_only`` decides whether anything may be
+        unpickled (``None``, Lightning's default: only with ``pickle_fallback``)."""
         self._finish_pending()
         if not Path(path).exists():
             raise FileNotFoundError(f"checkpoint file not found: {path}")
-        return load_checkpoint_file(path, map_location, allow_pickle=self.pickle_fallback)
+        allow = self.pickle_fallback if weights_only is None else not weights_only
+        return load_checkpoint_file(path, map_location, allow_pickle=allow)
 
     def remove_checkpoint(self, path: Any) -> None:
         self._finish_pending()

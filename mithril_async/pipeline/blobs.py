@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from mithril_async.codec.chunk import CodecParams, EncodedChunk, encode_chunk
-from mithril_async.codec.container import BlockRef, MckpWriter, TensorEntry
+from mithril_async.codec.container import BlockRef, MckpInfo, MckpWriter, TensorEntry
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
 from mithril_async.codec.state_dict import decode_tensors, read_info
@@ -295,7 +295,49 @@ class BlobCodec:
         stored in full decodes no moment of its base).  ``only``: decode just these tensors;
         when their blocks are a small part of the blob only they are read (ranged reads,
         :mod:`~mithril_async.pipeline.partial`), else the whole blob is read and hashed.
+
+        What the blob says it decodes to is checked against the manifest's ``raw_bytes``
+        before anything is allocated (a few hundred bytes of MCKP can legitimately declare a
+        GiB of zeros), and what it did decode to after: a blob whose claims do not add up is
+        :class:`InvalidFormat`.
         """
+        opened = await self._open(store, ref, only)
+        if not isinstance(opened, _Opened):
+            return opened  # safetensors: (skeleton, tensors), decoded whole
+        tensors = await self._decode(ref, opened, load_blob, only)
+        if only is None:
+            _check_raw_bytes(ref, _nbytes(tensors.values()))
+        return _skeleton(opened.info.metadata, ref.key), tensors
+
+    async def read_each(self, store: Store, ref: BlobRef, new_loader: Callable[[], LoadBlob],
+                        ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Every tensor of blob ``ref``, verified as :meth:`read` verifies, one at a time.
+
+        For checking a blob without holding it decoded (``mithril verify``): each tensor is
+        decoded alone and may be dropped before the next, and each gets a fresh loader from
+        ``new_loader()``, so the bases it needed are dropped with it: memory stays at the
+        blob's bytes plus one tensor (and that tensor along its delta chain).
+        """
+        opened = await self._open(store, ref, None)
+        if not isinstance(opened, _Opened):
+            _check_raw_bytes(ref, _nbytes(opened[1].values()))
+            for item in opened[1].items():
+                yield item
+            return
+        _skeleton(opened.info.metadata, ref.key)  # a blob that restores must have one
+        total = 0
+        for name in [*(t.name for t in opened.info.tensors), *opened.refs]:
+            tensor = (await self._decode(ref, opened, new_loader(), frozenset((name,))))[name]
+            total += _nbytes((tensor,))
+            yield name, tensor
+        _check_raw_bytes(ref, total)
+
+    async def _open(self, store: Store, ref: BlobRef, only: frozenset[str] | None
+                    ) -> _Opened | tuple[Any, dict[str, torch.Tensor]]:
+        """Fetch and check what :meth:`read` needs before decoding: the blob's size and hash
+        (or, for a part of it, each piece's), its header, index and tensor references, and
+        that its header claims no more raw bytes than the manifest records. A safetensors
+        blob is decoded here, whole: (skeleton, tensors)."""
         if ref.format not in LOSSLESS_FORMATS:
             # lossy (MLDC) blobs decode only along their chain, in pipeline/lossy.py
             # (read_lossy_chain; read_lossy_blob checks one): this codec stays lossless
@@ -326,11 +368,22 @@ class BlobCodec:
                 return whole[r.offset:r.offset + r.length]
 
             verify_blocks = False  # the whole-blob hash above covers every block
+        if info.original_size > ref.raw_bytes:  # before a byte of it is decoded
+            raise InvalidFormat(f"{ref.key}: its header declares {info.original_size} raw "
+                                f"bytes, the manifest records {ref.raw_bytes}")
         refs = info.metadata.get(REFS_KEY, {})
         if not isinstance(refs, dict):
             raise InvalidFormat(f"{ref.key}: malformed tensor references")
-        trefs = {name: TensorRef.from_json(raw, ref.key) for name, raw in refs.items()
-                 if only is None or name in only}
+        trefs = {name: TensorRef.from_json(raw, ref.key) for name, raw in refs.items()}
+        return _Opened(info, block_bytes, verify_blocks, trefs)
+
+    async def _decode(self, ref: BlobRef, opened: _Opened, load_blob: LoadBlob | None,
+                      only: frozenset[str] | None) -> dict[str, torch.Tensor]:
+        """The tensors (``only`` these) of an opened blob, delta bases and referenced
+        tensors fetched through ``load_blob`` and checked."""
+        info = opened.info
+        loop = asyncio.get_running_loop()
+        trefs = {name: r for name, r in opened.refs.items() if only is None or name in only}
         # what is needed from each other blob (delta bases and referenced tensors), so each
         # is asked once, for all of it
         need: dict[str, tuple[BaseRef, set[str]]] = {}
@@ -356,9 +409,15 @@ class BlobCodec:
             loaded[key] = await load_blob(base_ref, frozenset(names))
         previous = loaded[ref.base.key] if deltas and ref.base is not None else None
         threads = getattr(self.pool, "_max_workers", None)
-        tensors = await loop.run_in_executor(None, lambda: decode_tensors(
-            info, block_bytes, previous=previous, threads=threads, only=only,
-            verify_payload=verify_blocks))
+        try:
+            tensors = await loop.run_in_executor(None, lambda: decode_tensors(
+                info, opened.block_bytes, previous=previous, threads=threads, only=only,
+                verify_payload=opened.verify_blocks))
+        except ChecksumMismatch as err:  # name the blob: a block's own message cannot
+            raise ChecksumMismatch(f"{ref.key}: {err.where}", err.expected,
+                                   err.actual) from None
+        except InvalidFormat as err:
+            raise type(err)(f"{ref.key}: {err}") from None
         for name, tref in trefs.items():
             holder = loaded[tref.holder.key]
             if tref.name not in holder:
@@ -369,7 +428,30 @@ class BlobCodec:
                 raise ChecksumMismatch(f"{ref.key}: referenced tensor {name!r} in "
                                        f"{tref.holder.key}", tref.xxh64, got)
             tensors[name] = t
-        return _skeleton(info.metadata, ref.key), tensors
+        return tensors
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """An MCKP blob fetched and checked, ready to decode (see :meth:`BlobCodec._open`)."""
+
+    info: MckpInfo
+    block_bytes: Callable[[BlockRef], memoryview]
+    #: whether each block's payload hash is still to be checked (no whole-blob hash was)
+    verify_blocks: bool
+    #: tensors the blob only references, by name
+    refs: dict[str, TensorRef]
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check_raw_bytes(ref: BlobRef, total: int) -> None:
+    """A whole blob decodes to exactly the raw bytes its manifest records."""
+    if total != ref.raw_bytes:
+        raise InvalidFormat(f"{ref.key}: decodes to {total} bytes, manifest records "
+                            f"{ref.raw_bytes}")
 
 
 def _skeleton(metadata: dict[str, Any], where: str) -> Any:

@@ -19,6 +19,7 @@ xxh64 of the tensor's raw bytes at restore), in keyframes and deltas alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,17 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
     if plan.base_views:
         plan.base = chain.base_blob
     return plan, hashes
+
+
+def depends_on(blobs: Iterable[BlobRef]) -> list[BaseRef]:
+    """The blobs of earlier versions that ``blobs`` need to restore: their delta bases and
+    the holders of the tensors they only reference (what must still exist at commit)."""
+    out: list[BaseRef] = []
+    for b in blobs:
+        if b.base is not None:
+            out.append(b.base)
+        out.extend(b.refs)
+    return out
 
 
 def commit_item(chain: ItemChain, written_idx: int, version_id: str, ref: BlobRef,

@@ -33,6 +33,8 @@ class RankPart(BaseModel):
     lossy: LossyEntry | None = None
     rng_key: str | None = None
     rng_xxh64: str | None = None
+    #: the RNG file's size, checked before the commit like every blob's
+    rng_bytes: int | None = None
     exact: bool = True
     bytes_in: int = 0
     bytes_out: int = 0
@@ -46,6 +48,8 @@ class Outcome(BaseModel):
     manifest_key: str | None = None
     error: str | None = None
     failed_rank: int | None = None
+    #: the version's claim is no longer rank 0's: no rank may delete what is in its folder
+    claim_lost: bool = False
 
 
 class Coordinator(Protocol):

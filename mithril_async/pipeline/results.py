@@ -50,6 +50,9 @@ class SaveHandle:
 
     result_obj: SaveResult
     future: concurrent.futures.Future[SaveResult] | None = field(default=None, repr=False)
+    #: ``result()`` raised the save's error: the caller has seen it (``close()`` then does
+    #: not raise it again)
+    error_seen: bool = field(default=False, repr=False)
 
     @property
     def skipped(self) -> bool:
@@ -62,4 +65,8 @@ class SaveHandle:
         """Block until the background part finished; raise its error if it failed."""
         if self.future is None:
             return self.result_obj
-        return self.future.result(timeout)
+        try:
+            return self.future.result(timeout)
+        except BaseException:
+            self.error_seen = self.future.done()  # not a timeout of this wait
+            raise

@@ -17,9 +17,17 @@ Protocol (every rank runs it on its background loop):
 2. ``run()``: the version number is agreed (rank 0 claims it) while this rank already encodes;
    blob keys are futures, so the first bytes wait for the number, not the encoder.
 3. Every rank writes its blobs and RNG file durably and reports a :class:`RankPart`.
-4. Rank 0 writes the manifest iff every part is good; then aliases, ``run.json`` and retention.
-   Every rank learns the outcome; a failed or cancelled save deletes what it wrote and never
-   touches the last committed version.
+4. Rank 0 writes the manifest iff every part is good, its claim is still its own (a heartbeat
+   keeps the claim fresh while the save runs, so no other process takes it for abandoned) and
+   every blob is present with its size; then aliases, ``run.json`` and retention. Every rank
+   learns the outcome; a failed or cancelled save deletes what it wrote (unless its claim was
+   lost: the folder may be another writer's now) and never touches the last committed version.
+
+Other processes may share the run (a second writer, ``mithril gc``): a delta's base could be
+deleted by their retention. The claim names the bases this save reads (retention keeps them
+while the claim is live), each blob re-checks its bases after it is written (gone: the blob is
+written again as a keyframe) and the commit checks them once more (gone: ``MissingPrevious``,
+and the next save is a keyframe).
 """
 
 from __future__ import annotations
@@ -35,9 +43,9 @@ from typing import Any
 
 import xxhash
 
-from mithril_async.catalog import RunCatalog
+from mithril_async.catalog import Claim, RunCatalog, heartbeat_interval
 from mithril_async.config import Config
-from mithril_async.errors import DistributedError
+from mithril_async.errors import ClaimLost, DistributedError, KeyNotFound, MissingPrevious
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import (
     BaseRef,
@@ -54,7 +62,13 @@ from mithril_async.manifest import (
     version_id,
 )
 from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
-from mithril_async.pipeline.chain import ChainPolicy, ItemChain, commit_item, plan_item
+from mithril_async.pipeline.chain import (
+    ChainPolicy,
+    ItemChain,
+    commit_item,
+    depends_on,
+    plan_item,
+)
 from mithril_async.pipeline.coordinator import Coordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.lossy import LossyTrack, Roles, lossy_roles, write_lossy
@@ -151,6 +165,9 @@ class SaveJob:
         self.overlap: OverlapCopy | None = None
         #: rank 0's own commit error, raised as itself when this process is the only rank
         self._commit_error: Exception | None = None
+        #: rank 0: the version's claim, and the task renewing its heartbeat while the save runs
+        self._claim: Claim | None = None
+        self._heartbeat: asyncio.Future[None] | None = None
         self.result: SaveResult | None = None
 
     # ------------------------------------------------------------ on the caller's thread
@@ -208,8 +225,35 @@ class SaveJob:
         try:
             return await self._run()
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
             if self.ctx.lossy is not None:
                 self.ctx.lossy.rollback()  # no-op once the version committed
+
+    async def _claim_version(self) -> int:
+        """Rank 0: claim the next version number, naming the committed versions this save's
+        deltas and references read, and keep the claim's heartbeat going while it runs."""
+        ctx = self.ctx
+        claim = await ctx.catalog.claim(self._bases())
+        self._claim = claim
+        interval = heartbeat_interval(ctx.config.checkpointing.pipeline.claim_stale_s)
+        self._heartbeat = asyncio.ensure_future(ctx.catalog.keep_claim_alive(claim, interval))
+        return claim.number
+
+    def _bases(self) -> set[str]:
+        """Versions this save may read as delta bases or tensor holders (known before any
+        planning: the chains' last committed bases)."""
+        out: set[str] = set()
+        for name in self.snaps:
+            chain = self.ctx.chains.get(name)
+            if chain is None:
+                continue
+            if chain.base_blob is not None:
+                out.add(chain.base_blob.version_id)
+            out |= {r.holder.version_id for r in chain.phys.values()}
+        if self.ctx.lossy is not None and self.ctx.lossy.base is not None:
+            out.add(self.ctx.lossy.base.version_id)
+        return out
 
     async def _run(self) -> SaveResult:
         ctx, res = self.ctx, self.result
@@ -217,7 +261,7 @@ class SaveJob:
         coord = ctx.coordinator
         # The version number is agreed (rank 0 claims it, then a broadcast) while this rank
         # already encodes: blob writers hold their first bytes until the number is known.
-        agree = asyncio.ensure_future(coord.agree_version(ctx.catalog.claim_version))
+        agree = asyncio.ensure_future(coord.agree_version(self._claim_version))
         updates: list[_ChainUpdate] = []
         try:
             if self.overlap is not None:  # the staged buffers are complete (and untorn) first
@@ -256,7 +300,8 @@ class SaveJob:
             res.total_s = time.perf_counter() - self.t0
             ctx.history.append(res)
             log.error("save of step %d (%s) failed: %s", res.step, res.version_id, outcome.error)
-            await asyncio.shield(ctx.discard(number))
+            if not outcome.claim_lost:  # a lost claim's folder may be another writer's now
+                await asyncio.shield(ctx.discard(number))
             local_err = local_err or self._commit_error
             if local_err is not None and coord.world_size == 1:
                 raise local_err
@@ -320,6 +365,14 @@ class SaveJob:
                 ref = await ctx.codec.write(ctx.store, key, item, step=res.step, plan=plan)
             finally:
                 key.cancel()  # no-op once done; stops a key still waiting when writing failed
+            gone = await ctx.catalog.missing_bases(depends_on([ref]))
+            if gone:  # another process's retention deleted a base meanwhile: keyframe instead
+                log.warning("%s: base %s was deleted by another process; writing a keyframe",
+                            ref.key, ", ".join(sorted({b.version_id for b in gone})))
+                chain.reset()
+                plan, hashes = await loop.run_in_executor(ctx.pool, plan_item, chain,
+                                                          item.tensors)
+                ref = await ctx.codec.write(ctx.store, ref.key, item, step=res.step, plan=plan)
             updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
             return item, ref
 
@@ -333,6 +386,7 @@ class SaveJob:
         async def write_rng() -> None:
             part.rng_key = ctx.layout.rng_key(await agreed(), ctx.rank)
             await ctx.store.put(part.rng_key, rng_bytes)
+            part.rng_bytes = len(rng_bytes)
 
         # items (and the RNG file) are written concurrently: one blob's fsync waits on the
         # disk while the codec threads encode the next one
@@ -391,13 +445,54 @@ class SaveJob:
         key = self.ctx.layout.manifest_key(number)
         try:
             manifest = await self._build_manifest(number, res, parts)
+            await self._check_before_commit(manifest, parts)
             await self.ctx.store.put_if_absent(key, dump_model(manifest))
         except Exception as err:
             self._commit_error = err
+            if isinstance(err, MissingPrevious):  # a base is gone: the next save is a keyframe
+                for chain in self.ctx.chains.values():
+                    chain.reset()
+                if self.ctx.lossy is not None:
+                    self.ctx.lossy.reset()
             return Outcome(committed=False, failed_rank=0,
-                           error=f"rank 0 could not commit {key}: {type(err).__name__}: {err}"
-                           ), None
+                           error=f"rank 0 could not commit {key}: {type(err).__name__}: {err}",
+                           claim_lost=self._claim is not None and self._claim.lost), None
         return Outcome(committed=True, manifest_key=key), manifest
+
+    async def _check_before_commit(self, manifest: VersionManifest,
+                                   parts: list[RankPart]) -> None:
+        """What another process sharing the run could have broken since the blobs were
+        written: the claim must still be this save's (a process that judged it abandoned
+        removes the folder), every blob present with its size, every base still committed.
+        Raises :class:`ClaimLost` / :class:`MissingPrevious`; nothing is published then."""
+        ctx, claim = self.ctx, self._claim
+        if claim is not None and (claim.lost or not await ctx.catalog.claim_is_own(claim)):
+            claim.lost = True
+            raise ClaimLost(f"{ctx.layout.claim_key(claim.number)}: the claim of "
+                            f"{manifest.version_id} is no longer this process's "
+                            f"({claim.reason or 'removed or replaced by another process'}); "
+                            "nothing is published")
+        sizes = {b.key: b.bytes for b in manifest.blobs()}
+        sizes |= {p.rng_key: p.rng_bytes for p in parts
+                  if p.rng_key is not None and p.rng_bytes is not None}
+
+        async def check(key: str, expected: int) -> None:
+            try:
+                size = await ctx.store.size(key)
+            except KeyNotFound:
+                raise ClaimLost(f"{key} of {manifest.version_id} was removed before its commit "
+                                "(by another process); nothing is published") from None
+            if size != expected:
+                raise ClaimLost(f"{key} of {manifest.version_id} has {size} bytes, "
+                                f"{expected} were written; nothing is published")
+
+        await asyncio.gather(*(check(k, n) for k, n in sizes.items()))
+        gone = await ctx.catalog.missing_bases(depends_on(manifest.blobs()))
+        if gone:
+            names = ", ".join(sorted(f"{b.version_id} ({b.key})" for b in gone))
+            raise MissingPrevious(f"{manifest.version_id} needs {names}, deleted by another "
+                                  "process before the commit; nothing is published and the "
+                                  "next save is a keyframe")
 
     async def _build_manifest(self, number: int, res: SaveResult, parts: list[RankPart]
                               ) -> VersionManifest:
@@ -436,16 +531,22 @@ class SaveJob:
     async def _config_ref(self) -> BlobRef:
         """Write config/train.toml and config.json once per run; return the TOML's ref.
 
-        Read back (and remembered) rather than hashed from our own bytes: another process of
-        the run may have written it first, and the manifest must describe the file as it is."""
+        Only what :func:`~mithril_async.config.recorded_config` keeps is written ([checkpointing]
+        and the tables ``record_config`` names, secrets redacted), privately (0600 on disk):
+        runs are copied and shared, training TOMLs hold API keys. Read back (and remembered)
+        rather than hashed from our own bytes: another process of the run may have written it
+        first, and the manifest must describe the file as it is."""
+        from mithril_async.config import recorded_config
+        from mithril_async.storage.base import put_private
+
         ctx = self.ctx
         if ctx.config_ref is not None:
             return ctx.config_ref
         key = ctx.layout.config_key("train.toml")
         if not await ctx.store.exists(key):
-            await ctx.store.put(key, (ctx.config.source_toml or "").encode())
-            cfg_json = json.dumps(ctx.config.model_dump(mode="json"), indent=2).encode()
-            await ctx.store.put(ctx.layout.config_key("config.json"), cfg_json)
+            toml_bytes, json_bytes = recorded_config(ctx.config)
+            await put_private(ctx.store, key, toml_bytes)
+            await put_private(ctx.store, ctx.layout.config_key("config.json"), json_bytes)
         data = await ctx.store.get(key)
         ctx.config_ref = BlobRef(key=key, bytes=len(data), xxh64=xxhash.xxh64_hexdigest(data),
                                  format="toml")

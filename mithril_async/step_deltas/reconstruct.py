@@ -6,14 +6,20 @@ stored *new* values. No float arithmetic is involved, so the result is bitwise e
 recorder's snapshot at that step, i.e. to ``param.to(dtype)`` right after that step's
 ``record``. Only steps that were recorded (or the declared ``base_step``) can be targets:
 between two recorded steps the weights were never observed.
+
+Every file is read from inside the recording: the names ``metadata.json`` lists are store keys
+(the recorder wrote them through a Store), held to the same rules (:func:`check_key`: no
+``..``, no absolute paths), and no file or folder is followed through a symlink, so a copied
+or downloaded recording cannot make reconstruction or ``mithril analyze`` read elsewhere.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,24 +28,54 @@ from mithril_async.errors import (
     MissingPrevious,
     ShapeMismatch,
     UnknownFormatVersion,
+    UnsafeKey,
     VersionNotFound,
 )
 from mithril_async.step_deltas.meta import METADATA_FORMAT, METADATA_KEY, METADATA_VERSION
-from mithril_async.step_deltas.sparse import SparseLayerDelta, decode_tensors, read_delta_file
+from mithril_async.step_deltas.sparse import SparseLayerDelta, decode_delta, decode_tensors
+from mithril_async.storage.base import check_key
 
 _DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
+
+
+def read_member(delta_dir: str | os.PathLike[str], name: object, what: str) -> bytes:
+    """The bytes of file ``name`` of the recording in ``delta_dir``, confined to it.
+
+    ``name`` comes from ``metadata.json``: it must be a valid store key (else
+    :class:`UnsafeKey`), its folder must resolve inside ``delta_dir`` and the file must not be
+    a symlink (:class:`UnsafeKey`); a missing file is ``FileNotFoundError``. ``what`` names
+    the file in errors."""
+    root = os.path.realpath(delta_dir)
+    try:
+        key = check_key(cast(str, name))  # whatever JSON held: check_key refuses non-strings
+    except UnsafeKey as err:
+        raise UnsafeKey(f"{root}/{METADATA_KEY}: {what} {name!r} is not a path inside the "
+                        f"recording ({err})") from None
+    path = os.path.join(root, key)
+    folder = os.path.realpath(os.path.dirname(path))
+    if folder != root and not folder.startswith(root + os.sep):
+        raise UnsafeKey(f"{what} {path} lies in a folder that resolves outside {root}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeKey(f"{what} {path} is a symlink, refused") from None
+        raise
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def read_metadata(delta_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Load and check ``metadata.json`` of a delta directory."""
     path = os.path.join(os.fspath(delta_dir), METADATA_KEY)
     try:
-        with open(path, encoding="utf-8") as f:
-            meta: dict[str, Any] = json.load(f)
+        meta: dict[str, Any] = json.loads(read_member(delta_dir, METADATA_KEY, "metadata"))
     except FileNotFoundError:
         raise VersionNotFound(f"no sparse-delta recording in {delta_dir}: {path} missing") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidFormat(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict):
+        raise InvalidFormat(f"{path} is not a JSON object")
     fmt = meta.get("format", METADATA_FORMAT)  # seed-003 files carry no format key
     if fmt != METADATA_FORMAT:
         raise InvalidFormat(f"{path}: format {fmt!r} is not {METADATA_FORMAT!r}")
@@ -71,9 +107,12 @@ def iter_deltas(
         if until is not None and step > until:
             return
         path = os.path.join(os.fspath(delta_dir), str(e["path"]))
-        if not os.path.exists(path):
-            raise MissingPrevious(f"delta for step {step} listed in metadata is missing: {path}")
-        file_step, layers = read_delta_file(path)
+        try:
+            blob = read_member(delta_dir, e["path"], f"delta of step {step}")
+        except FileNotFoundError:
+            raise MissingPrevious(f"delta for step {step} listed in metadata is missing: "
+                                  f"{path}") from None
+        file_step, layers = decode_delta(blob, path)
         if file_step != step:
             raise InvalidFormat(f"{path} holds step {file_step}, metadata says {step}")
         yield step, layers
@@ -90,8 +129,7 @@ def load_base(
         )
     path = os.path.join(os.fspath(delta_dir), str(key))
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        blob = read_member(delta_dir, key, "base snapshot")
     except FileNotFoundError:
         raise MissingPrevious(f"base snapshot {path} named in metadata is missing") from None
     return decode_tensors(blob, path)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from types import TracebackType
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -77,6 +77,24 @@ def key_in_prefix(key: str, prefix: str) -> bool:
 def join_key(*parts: str) -> str:
     """Join key components with '/', validating the result."""
     return check_key("/".join(p.strip("/") for p in parts if p))
+
+
+class Incomplete(NamedTuple):
+    """A leftover of an unfinished write (a temp file, a multipart upload)."""
+
+    #: the key being written (S3, memory) or the temp file's path below the root (local)
+    key: str
+    #: seconds since it was started (an upload) or last written (a temp file)
+    age_s: float
+
+
+#: what ``list_incomplete`` returns (a name, since ``list`` is a Store method)
+Leftovers = list[Incomplete]
+
+
+def skipped(key: str, skip: Collection[str]) -> bool:
+    """Whether ``key`` lies under one of the ``skip`` prefixes of ``cleanup_incomplete``."""
+    return any(key_in_prefix(key, check_prefix(p)) for p in skip)
 
 
 class DirListing(NamedTuple):
@@ -219,12 +237,28 @@ class Store(Protocol):
     def open_writer(self, key: str) -> BlobWriter:
         """Start a streaming write of ``key``."""
 
-    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
+    async def list_incomplete(self, prefix: str) -> Leftovers:
+        """The leftovers of unfinished writes under ``prefix`` (temp files, multipart
+        uploads), with their ages: what :meth:`cleanup_incomplete` would consider."""
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0, *,
+                                 skip: Collection[str] = ()) -> int:
         """Remove leftovers of killed writers under ``prefix`` (temp files, multipart
         uploads) that are at least ``older_than`` seconds old; return how many were removed.
 
         ``older_than`` protects writers still running in other processes; ``0`` removes all.
+        ``skip``: prefixes (folders or keys, :func:`check_prefix` rules) whose leftovers are
+        never touched, whatever their age: the version folders of saves known to be live.
         """
 
     async def close(self) -> None:
         """Release connections and file handles."""
+
+
+async def put_private(store: Store, key: str, data: bytes | memoryview) -> None:
+    """:meth:`Store.put` of a value only the store's owner may read, where the store can
+    say so: a store with a ``put_private`` method (LocalStore: a 0600 file; MirrorStore: on
+    both sides) uses it, any other a plain ``put`` (S3 objects are private unless a bucket
+    policy shares them). Optional, so stores written against the protocol keep working."""
+    private = getattr(store, "put_private", None)
+    await (private(key, data) if private is not None else store.put(key, data))

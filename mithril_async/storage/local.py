@@ -16,12 +16,19 @@ Conditional writes: ``put_if_absent`` hard-links a fully written temp file into 
 and renames under an ``flock`` on ``<root>/.tmp-cas.lock``, which excludes other
 ``put_if_match`` callers in this and other processes on the same machine (not plain ``put``).
 The tag is a hash of the content, so it never repeats for different data (an inode+mtime tag
-can, once an inode is reused within one clock tick).
+can, once an inode is reused within one clock tick). The lock file is created 0600 (anyone who
+can open it can take the lock) and the wait for it is bounded (``lock_timeout_s``): a holder
+that never lets go fails a save with :class:`~mithril_async.errors.LockTimeout` naming the
+lock instead of hanging every save of the store.
+
+``put_private`` writes a file only its owner can read (0600): what a run records of its
+configuration goes through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -29,13 +36,14 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 from mithril_async.errors import (
     KeyExists,
     KeyNotFound,
+    LockTimeout,
     PreconditionFailed,
     StorageError,
     UnsafeKey,
@@ -44,12 +52,15 @@ from mithril_async.storage.atomic import create_temp, fsync_dir, unlink_quiet, w
 from mithril_async.storage.base import (
     RESERVED_PREFIX,
     DirListing,
+    Incomplete,
+    Leftovers,
     WriterContext,
     check_key,
     check_prefix,
     check_range,
     child_name,
     key_in_prefix,
+    skipped,
 )
 
 T = TypeVar("T")
@@ -58,6 +69,13 @@ LOCK_NAME = RESERVED_PREFIX + "cas.lock"
 _MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 _WRITE_BUFFER = 1 << 20  # small writes are coalesced up to this size before a thread hop
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+#: permissions of a store's files (before the umask), and of the private ones
+FILE_MODE = 0o644
+PRIVATE_MODE = 0o600
+#: how long ``put_if_match`` waits for the compare-and-swap lock by default, and the longest
+#: pause between two tries (polling with backoff: ``flock`` itself cannot time out)
+LOCK_TIMEOUT_S = 60.0
+_LOCK_MAX_PAUSE_S = 0.1
 
 
 def content_tag(data: bytes | memoryview) -> str:
@@ -70,12 +88,17 @@ class LocalStore:
 
     atomic_conditional_writes = True
 
-    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
-        """``durable=False`` skips fsyncs (only for tests/benchmarks on throwaway dirs)."""
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True,
+                 lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
+        """``durable=False`` skips fsyncs (only for tests/benchmarks on throwaway dirs).
+        ``lock_timeout_s``: the longest a conditional write waits for the store's lock."""
+        if not lock_timeout_s >= 0:
+            raise ValueError(f"lock_timeout_s must be >= 0, got {lock_timeout_s!r}")
         os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
         self.url = f"file://{self.root}/"
         self.durable = durable
+        self.lock_timeout_s = lock_timeout_s
 
     # -- paths and errors ------------------------------------------------------------------
     def local_path(self, key: str) -> Path:
@@ -165,21 +188,21 @@ class LocalStore:
         if missing and not self._inside(os.path.realpath(d)):
             raise UnsafeKey(f"directory {d} resolves outside {self.url}")
 
-    def _create_tmp(self, path: str) -> tuple[int, str]:
+    def _create_tmp(self, path: str, mode: int = FILE_MODE) -> tuple[int, str]:
         """Open a fresh temp file next to ``path``; retried if a concurrent delete pruned
         the (empty) directory between mkdir and open."""
         self._confine(path)
         for attempt in range(5):
             self._makedirs(os.path.dirname(path))
             try:
-                return create_temp(path, fs=os)
+                return create_temp(path, mode=mode, fs=os)
             except FileNotFoundError:
                 if attempt == 4:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _write_tmp(self, path: str, data: bytes | memoryview) -> str:
-        fd, tmp = self._create_tmp(path)
+    def _write_tmp(self, path: str, data: bytes | memoryview, mode: int = FILE_MODE) -> str:
+        fd, tmp = self._create_tmp(path, mode)
         try:
             write_all(fd, data, fs=os)
             self._fsync(fd)
@@ -201,12 +224,40 @@ class LocalStore:
 
     @contextlib.contextmanager
     def _cas_lock(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        """Hold the store's compare-and-swap lock (an ``flock`` on ``.tmp-cas.lock``).
+
+        The file is created 0600 and never followed through a symlink: whoever can open it
+        can take the lock, so only the store's owner may. A lock file left group- or
+        world-accessible by an older version is tightened when it is ours."""
+        path = os.path.join(self.root, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, PRIVATE_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                os.fchmod(fd, PRIVATE_MODE)
+            self._lock(fd, path)
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
+
+    def _lock(self, fd: int, path: str) -> None:
+        """``flock`` ``fd`` exclusively within ``lock_timeout_s`` (non-blocking tries with a
+        growing pause), else :class:`LockTimeout`: a holder that never lets go must fail the
+        write that waits for it, not hang it and every later save."""
+        deadline = time.monotonic() + self.lock_timeout_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockTimeout(errno.ETIMEDOUT, f"the lock {path} of {self.url} stayed held "
+                                  f"by another process for {self.lock_timeout_s:g} s", path)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _LOCK_MAX_PAUSE_S)
 
     # -- reads -----------------------------------------------------------------------------
     @staticmethod
@@ -267,15 +318,23 @@ class LocalStore:
 
     # -- writes ----------------------------------------------------------------------------
     async def put(self, key: str, data: bytes | memoryview) -> None:
+        await self._put("put", key, data, FILE_MODE)
+
+    async def put_private(self, key: str, data: bytes | memoryview) -> None:
+        """As :meth:`put`, but the file is readable and writable by its owner only (0600):
+        for what must not be shared with every user who can read the store."""
+        await self._put("put_private", key, data, PRIVATE_MODE)
+
+    async def _put(self, op: str, key: str, data: bytes | memoryview, mode: int) -> None:
         def put(path: str) -> None:
-            tmp = self._write_tmp(path, data)
+            tmp = self._write_tmp(path, data, mode)
             try:
                 self._replace(tmp, path)
             except BaseException:
                 unlink_quiet(tmp, fs=os)  # gone already if only the directory fsync failed
                 raise
 
-        await self._run("put", key, put, reading=False)
+        await self._run(op, key, put, reading=False)
 
     def _link_or_fail(self, tmp: str, path: str) -> bool:
         """Publish ``tmp`` at ``path`` only if absent; False if the name already exists."""
@@ -424,24 +483,49 @@ class LocalStore:
             "list_dir", norm or ".", list_level, reading=True, path=self.root
         )
 
-    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
+    def _leftovers(self, norm: str) -> builtins.list[tuple[str, os.DirEntry[str]]]:
+        """Worker-thread body: (path below the root, entry) of every temp file of a writer
+        under ``norm`` (and of the key ``norm`` itself, which live beside it)."""
+        self._check_prefix_dir(norm)
+        top = os.path.join(self.root, norm) if norm else self.root
+        candidates = list(self._walk(top, norm))
+        if norm:  # temps of the key ``norm`` itself live in its parent directory
+            parent = os.path.dirname(top)
+            own = f"{RESERVED_PREFIX}{os.path.basename(top)[:100]}."
+            rel_parent = os.path.dirname(norm)
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                candidates += [(f"{rel_parent}/{e.name}" if rel_parent else e.name, e)
+                               for e in os.scandir(parent) if e.name.startswith(own)]
+        return [(rel, e) for rel, e in candidates
+                if e.name.startswith(RESERVED_PREFIX) and e.name != LOCK_NAME]
+
+    async def list_incomplete(self, prefix: str) -> Leftovers:
+        """Temp files of unfinished writes under ``prefix``, aged by their mtime."""
+        norm = check_prefix(prefix)
+
+        def listing(_: str) -> Leftovers:
+            now = time.time()
+            out = []
+            for rel, entry in self._leftovers(norm):
+                with contextlib.suppress(FileNotFoundError):
+                    out.append(Incomplete(rel, now - entry.stat(follow_symlinks=False).st_mtime))
+            return sorted(out)
+
+        return await self._run("list_incomplete", norm or ".", listing, reading=True,
+                               path=self.root)
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0, *,
+                                 skip: Collection[str] = ()) -> int:
         """Delete ``.tmp-*`` files of killed writers under ``prefix`` (and the prefix key's
-        own temps beside it) whose mtime is at least ``older_than`` seconds old."""
+        own temps beside it) whose mtime is at least ``older_than`` seconds old, except
+        those under a ``skip`` prefix (live saves)."""
         norm = check_prefix(prefix)
 
         def cleanup(_: str) -> int:
-            self._check_prefix_dir(norm)
             now = time.time()
-            top = os.path.join(self.root, norm) if norm else self.root
-            candidates = [e for _k, e in self._walk(top, norm)]
-            if norm:  # temps of the key ``norm`` itself live in its parent directory
-                parent = os.path.dirname(top)
-                own = f"{RESERVED_PREFIX}{os.path.basename(top)[:100]}."
-                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    candidates += [e for e in os.scandir(parent) if e.name.startswith(own)]
             removed = 0
-            for entry in candidates:
-                if not entry.name.startswith(RESERVED_PREFIX) or entry.name == LOCK_NAME:
+            for rel, entry in self._leftovers(norm):
+                if skipped(rel, skip):
                     continue
                 try:
                     if now - entry.stat(follow_symlinks=False).st_mtime < older_than:

@@ -12,10 +12,13 @@ import asyncio
 import itertools
 import time
 from collections import defaultdict
+from collections.abc import Collection
 
 from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
 from mithril_async.storage.base import (
     DirListing,
+    Incomplete,
+    Leftovers,
     WriterContext,
     as_bytes,
     check_key,
@@ -23,6 +26,7 @@ from mithril_async.storage.base import (
     check_range,
     dir_listing,
     key_in_prefix,
+    skipped,
 )
 
 _etags = itertools.count(1)
@@ -179,8 +183,18 @@ class MemoryStore:
         self._incomplete.add(writer)
         return writer
 
-    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
-        """Abort writers that were opened but never committed/aborted (simulated orphans)."""
+    async def list_incomplete(self, prefix: str) -> Leftovers:
+        """Writers opened but never committed/aborted under ``prefix``, aged by their start."""
+        norm = check_prefix(prefix)
+        await self._step("list_incomplete", norm)
+        now = time.time()
+        return sorted(Incomplete(w.key, now - w.started) for w in self._incomplete
+                      if key_in_prefix(w.key, norm))
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0, *,
+                                 skip: Collection[str] = ()) -> int:
+        """Abort writers that were opened but never committed/aborted (simulated orphans),
+        except those under a ``skip`` prefix."""
         norm = check_prefix(prefix)
         await self._step("cleanup_incomplete", norm)
         now = time.time()
@@ -188,6 +202,7 @@ class MemoryStore:
             w
             for w in self._incomplete
             if key_in_prefix(w.key, norm) and now - w.started >= older_than
+            and not skipped(w.key, skip)
         ]
         for w in stale:
             await w.abort()

@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Collection
 
 from mithril_async.errors import KeyExists, KeyNotFound
-from mithril_async.storage.base import BlobWriter, DirListing, Store, WriterContext
+from mithril_async.storage.base import (
+    BlobWriter,
+    DirListing,
+    Leftovers,
+    Store,
+    WriterContext,
+    put_private,
+)
 
 
 class MirrorWriter(WriterContext):
@@ -92,6 +100,11 @@ class MirrorStore:
         await self.mirror.put(key, data)
         await self.primary.put(key, data)
 
+    async def put_private(self, key: str, data: bytes | memoryview) -> None:
+        """:meth:`put`, private on each side that can be (see :func:`base.put_private`)."""
+        await put_private(self.mirror, key, data)
+        await put_private(self.primary, key, data)
+
     async def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
         await self.primary.put_if_absent(key, data)
         await self.mirror.put(key, data)
@@ -125,9 +138,16 @@ class MirrorStore:
     def open_writer(self, key: str) -> BlobWriter:
         return MirrorWriter(key, [self.primary.open_writer(key), self.mirror.open_writer(key)])
 
-    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
-        a, b = await asyncio.gather(self.primary.cleanup_incomplete(prefix, older_than),
-                                    self.mirror.cleanup_incomplete(prefix, older_than))
+    async def list_incomplete(self, prefix: str) -> Leftovers:
+        a, b = await asyncio.gather(self.primary.list_incomplete(prefix),
+                                    self.mirror.list_incomplete(prefix))
+        return sorted([*a, *b])
+
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0, *,
+                                 skip: Collection[str] = ()) -> int:
+        a, b = await asyncio.gather(
+            self.primary.cleanup_incomplete(prefix, older_than, skip=skip),
+            self.mirror.cleanup_incomplete(prefix, older_than, skip=skip))
         return a + b
 
     async def close(self) -> None:

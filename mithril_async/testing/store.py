@@ -363,6 +363,8 @@ class StoreTests:
                     await s.list(prefix)
                 with pytest.raises(UnsafeKey):
                     await s.cleanup_incomplete(prefix)
+                with pytest.raises(UnsafeKey):
+                    await s.list_incomplete(prefix)
             assert await s.list("") == []
 
         run(factory, body)
@@ -621,6 +623,31 @@ class StoreTests:
                 await w.abort()  # still safe after cleanup removed their leftovers
             assert await s.list("") == ["runs/r1/keep"]
             assert await s.get("runs/r1/keep") == b"k"
+
+        run(factory, body)
+
+    def test_incomplete_listed_and_skipped_prefixes_kept(self, factory: StoreFactory) -> None:
+        """``list_incomplete`` shows unfinished writes (keys or temp files inside their
+        folder); ``cleanup_incomplete(skip=...)`` never touches those under a skipped prefix
+        (a live save), and such a writer still commits."""
+
+        async def body(s: Store) -> None:
+            live, dead = s.open_writer("runs/r1/v2/blob"), s.open_writer("runs/r1/v3/blob")
+            for w in (live, dead):
+                await w.write(payload(factory.spill_size + 1000))
+
+            async def folders(prefix: str) -> set[str]:
+                return {left.key.rsplit("/", 1)[0] for left in await s.list_incomplete(prefix)}
+
+            assert await folders("runs/r1/") == {"runs/r1/v2", "runs/r1/v3"}
+            assert await folders("runs/r2/") == set()
+            assert await s.cleanup_incomplete("runs/r1/", skip=["runs/r1/v2/"]) >= 1
+            assert await folders("runs/r1/") == {"runs/r1/v2"}
+            await live.write(b"more")
+            await live.commit()
+            assert await s.get("runs/r1/v2/blob") == payload(factory.spill_size + 1000) + b"more"
+            assert await folders("") == set()
+            await dead.abort()
 
         run(factory, body)
 

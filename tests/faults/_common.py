@@ -109,3 +109,16 @@ def leftovers(run_root: Path) -> tuple[list[str], list[str]]:
             if name.startswith(".tmp-") and name != ".tmp-cas.lock":
                 tmps.append(str((Path(top) / name).relative_to(run_root)))
     return partial, sorted(tmps)
+
+
+def save_two_versions(runs: Path) -> None:
+    """``runs/run1`` with v000001 and v000002 (model + data counter at steps 1, 2), no delta:
+    the intact run the hostile-input tests damage copies of."""
+    from mithril_async import CheckpointManager
+
+    model, counter = Net(), Counter()
+    with CheckpointManager(make_config(runs, delta=False),
+                           {"model": model, "data": counter}) as m:
+        for step in (1, 2):
+            set_step(model, counter, step)
+            m.save_nowait(step, metrics={"loss": metric(step)}).result()

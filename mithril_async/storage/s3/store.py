@@ -8,7 +8,7 @@ import contextlib
 import errno
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
@@ -26,12 +26,15 @@ from mithril_async.errors import (
 from mithril_async.storage.base import (
     RESERVED_PREFIX,
     DirListing,
+    Incomplete,
+    Leftovers,
     as_bytes,
     check_key,
     check_prefix,
     check_range,
     dir_listing,
     key_in_prefix,
+    skipped,
 )
 from mithril_async.storage.s3.errors import (
     CALL_ERRORS,
@@ -287,9 +290,8 @@ class S3Store:
         waiting for the first one, and its ETag pins them (``IfMatch``) to one version.
         The rest is cut into about ``RANGES_PER_CONNECTION`` ranges per connection (at least
         a part, at most ``MAX_RANGE``): each request has a fixed cost (latency, a request fee;
-        on moto a copy of the whole object: 8 MiB ranges of a 1 GiB object read at ~8 MB/s,
-        32 MiB ranges 4x faster), while several ranges per connection keep one slow range from
-        holding up the others.
+        on moto a copy of the whole object, so small ranges of a big object crawl), while
+        several ranges per connection keep one slow range from holding up the others.
         """
         chunk = self.part_size
         first_len = chunk if length is None else min(chunk, length)
@@ -512,7 +514,7 @@ class S3Store:
         initial part size for huge blobs."""
         return S3Writer(self, key, size_hint)
 
-    async def list_incomplete(self, prefix: str) -> builtins.list[tuple[str, str, datetime]]:
+    async def _uploads(self, prefix: str) -> builtins.list[tuple[str, str, datetime]]:
         """(key, upload id, initiated) of multipart uploads under ``prefix``."""
         norm = check_prefix(prefix)
         found: builtins.list[tuple[str, str, datetime]] = []
@@ -523,8 +525,18 @@ class S3Store:
             for up in page.get("Uploads", []):
                 rel = self._rel(up["Key"])
                 if rel is not None and key_in_prefix(rel, norm):
-                    found.append((rel, up["UploadId"], up["Initiated"]))
+                    initiated = up["Initiated"]
+                    if initiated.tzinfo is None:
+                        initiated = initiated.replace(tzinfo=UTC)
+                    found.append((rel, up["UploadId"], initiated))
         return found
+
+    async def list_incomplete(self, prefix: str) -> Leftovers:
+        """Multipart uploads under ``prefix``, aged by their ``Initiated`` time (which does
+        not advance while parts arrive: a long upload looks old however alive it is)."""
+        now = datetime.now(UTC)
+        return sorted(Incomplete(key, (now - initiated).total_seconds())
+                      for key, _id, initiated in await self._uploads(prefix))
 
     async def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort one multipart upload; an upload that is already gone is not an error."""
@@ -536,15 +548,15 @@ class S3Store:
             if code != "NoSuchUpload" and status != 404:
                 raise
 
-    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0) -> int:
+    async def cleanup_incomplete(self, prefix: str, older_than: float = 0.0, *,
+                                 skip: Collection[str] = ()) -> int:
         """Abort multipart uploads under ``prefix`` started ``older_than`` seconds ago or
-        earlier (orphans of killed processes)."""
+        earlier (orphans of killed processes), except those under a ``skip`` prefix (live
+        saves: an upload's start time says nothing about whether its writer is alive)."""
         now = datetime.now(UTC)
         removed = 0
-        for key, upload_id, initiated in await self.list_incomplete(prefix):
-            if initiated.tzinfo is None:
-                initiated = initiated.replace(tzinfo=UTC)
-            if (now - initiated).total_seconds() < older_than:
+        for key, upload_id, initiated in await self._uploads(prefix):
+            if (now - initiated).total_seconds() < older_than or skipped(key, skip):
                 continue
             await self.abort_upload(key, upload_id)
             log.info("aborted incomplete multipart upload %s of %s", upload_id, self.where(key))
