@@ -97,7 +97,7 @@ class PipelineConfig(_Strict):
     orphan_age_s: float = Field(600.0, ge=0)
     #: an unfinished version's claim is abandoned once its heartbeat (renewed by the live
     #: writer every min(30 s, claim_stale_s / 4)) is older than this; only then may another
-    #: process (start-up cleanup, ``mithril gc``) remove it (catalog.py: CLAIM_STALE_S)
+    #: process (start-up cleanup, ``mithril gc``) remove it (claims.py: CLAIM_STALE_S)
     claim_stale_s: float = Field(300.0, gt=0)
 
 

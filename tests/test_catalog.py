@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.catalog import RunCatalog, open_catalog, owner_identity
+from mithril_async.catalog import RunCatalog, open_catalog
+from mithril_async.claims import owner_identity
 from mithril_async.errors import InvalidFormat, UnsafeKey, VersionNotFound
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import (

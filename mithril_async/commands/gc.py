@@ -17,12 +17,12 @@ import argparse
 import sys
 from typing import Any
 
+from mithril_async.claims import CLAIM_STALE_S
 from mithril_async.commands._common import Target, human, locate, print_json, run_async, table
 
-#: the config's defaults ([checkpointing.pipeline] claim_stale_s, orphan_age_s), repeated here
-#: so ``mithril --help`` need not import the config models (tests/faults/test_shared_run.py
-#: checks they agree)
-CLAIM_STALE_S = 300.0
+#: the config's default ([checkpointing.pipeline] orphan_age_s), repeated here so ``mithril
+#: --help`` need not import the config models (tests/faults/test_shared_run.py checks they
+#: agree); CLAIM_STALE_S comes from the small claims module
 ORPHAN_AGE_S = 600.0
 
 
@@ -58,7 +58,7 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
                    ) -> list[dict[str, Any]]:
     """What gc would do in one run: [{kind, what, keys, bytes}], and [{kind: "skip", what,
     why}] for what it leaves alone. Kinds: unfinished, orphan, incomplete, retention, skip."""
-    from mithril_async.catalog import describe_claim
+    from mithril_async.claims import describe_claim
     from mithril_async.manifest import version_number
     from mithril_async.retention import from_options, plan_deletions
     from mithril_async.storage.base import key_in_prefix

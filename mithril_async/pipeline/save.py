@@ -43,7 +43,8 @@ from typing import Any
 
 import xxhash
 
-from mithril_async.catalog import Claim, RunCatalog, heartbeat_interval
+from mithril_async.catalog import RunCatalog
+from mithril_async.claims import Claim, heartbeat_interval
 from mithril_async.config import Config
 from mithril_async.errors import ClaimLost, DistributedError, KeyNotFound, MissingPrevious
 from mithril_async.layout import RunLayout

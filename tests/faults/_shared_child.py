@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.catalog import owner_identity
+from mithril_async.claims import owner_identity
 from mithril_async.pipeline.results import SaveHandle
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.local import LocalStore

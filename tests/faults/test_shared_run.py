@@ -41,9 +41,9 @@ from typing import Any
 import pytest
 
 from mithril_async import CheckpointManager
-from mithril_async.catalog import (
+from mithril_async.catalog import RunCatalog
+from mithril_async.claims import (
     CLAIM_STALE_S,
-    RunCatalog,
     claim_doc_stale,
     heartbeat_interval,
     owner_identity,
