@@ -1,4 +1,4 @@
-"""The seed-000 synchronous ``Compressor``: save/load compressed state dicts by key.
+"""The synchronous ``Compressor``: save/load compressed state dicts by key.
 
 A small, dependency-free face over the codec for scripts that do not want the async manager::
 

@@ -159,7 +159,8 @@ class LossyConfig(_Strict):
 
 
 class CheckpointingConfig(_Strict):
-    """The ``[checkpointing]`` table (seed 002 plus compression, pipeline and remote)."""
+    """The ``[checkpointing]`` table (runs, aliases, retention, plus compression,
+    pipeline, remote and lossy)."""
 
     runs_path: str = "runs"
     run_id: str | None = Field(

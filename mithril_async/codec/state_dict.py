@@ -1,6 +1,6 @@
 """Whole state dicts <-> one MCKP blob, chunks coded in parallel on a thread pool.
 
-This is the synchronous, in-memory face of the codec (the seed-000 ``compress``/``decompress``
+This is the synchronous, in-memory face of the codec (the ``compress``/``decompress``
 pair).  The async manager drives the same pieces itself (``encode_chunk`` on its own pool,
 ``MckpWriter`` streaming to a store); this module shows the intended composition.
 

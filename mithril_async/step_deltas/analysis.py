@@ -1,8 +1,8 @@
-"""Training-dynamics analysis of a sparse-delta recording (seed 003 "Analysis Script").
+"""Training-dynamics analysis of a sparse-delta recording .
 
 Definitions (``N`` = total tracked parameters, ``mask_t`` = positions changed at step ``t``):
 
-- sparsity_t = 1 - |mask_t| / N (fraction unchanged; seed 003's 0.99 = 99% sparse) and
+- sparsity_t = 1 - |mask_t| / N (fraction unchanged; 0.99 = 99% sparse) and
   density_t = |mask_t| / N.
 - update_l2_t = ||new - old||_2 over all layers (float64 from the stored old/new values).
 - layer sparsity: the same per layer (``layers.csv``, the heatmap).

@@ -42,7 +42,7 @@ class StepSummary:
 
     @property
     def sparsity(self) -> float:
-        """Fraction of parameters that did not change (0.99 = 99% sparse), as in seed 003."""
+        """Fraction of parameters that did not change (0.99 = 99% sparse)."""
         return 1.0 - self.nonzero / self.total_params if self.total_params else 1.0
 
     def entry(self, nbytes: int) -> dict[str, Any]:
@@ -68,9 +68,10 @@ def build_metadata(
     layers: Mapping[str, Mapping[str, Any]],
     checkpoints: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The ``metadata.json`` document: seed 003's keys plus what readers need to verify.
+    """The ``metadata.json`` document: the recording's keys plus what readers need to
+    verify.
 
-    Seed keys: ``total_params``, ``dtype`` (``"torch.bfloat16"``), ``checkpoints`` (each with
+    Recording keys: ``total_params``, ``dtype`` (``"torch.bfloat16"``), ``checkpoints`` (each with
     ``step``, ``path``, ``sparsity``, ``nonzero``, ``changed_layers``). Added: ``format`` and
     ``format_version`` (readers refuse unknown versions), ``encoding``, ``base`` (key of the
     starting snapshot or null), ``base_step``, ``layers`` (shape and numel of every tracked
