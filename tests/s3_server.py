@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -162,6 +163,12 @@ class Fault:
     ``"200error"`` (a 200 OK whose body is an S3 <Error>); ``"delay"`` (forward after 0.3 s);
     ``"hold"`` (answer nothing until :meth:`FaultProxy.clear` or ``released.set()``, then reset:
     a request provably in flight for as long as a test needs, whatever the machine's speed).
+    Quirks of real S3-compatible servers (Ceph RGW), applied to matching requests:
+    ``"empty_etag"`` (forward, then blank the ``<ETag>`` of the response body, as RGW's
+    CompleteMultipartUpload does); ``"unquoted_if_match"`` (a server comparing ``If-Match``
+    with the stored ETag *without* quotes: a quoted value never matches, 412; an unquoted one
+    is quoted again for moto, which compares quoted); ``"missing_412"`` (a conditional PUT on a
+    missing key answers 412, not moto's 404); ``"rgw_if_match"`` (both of the last two).
     ``times=None`` fails forever."""
 
     match: Callable[[ProxyRequest], bool]
@@ -169,6 +176,28 @@ class Fault:
     times: int | None = 1
     hits: int = 0
     released: threading.Event = field(default_factory=threading.Event)
+
+
+#: actions that forward the request upstream (so its body is read first)
+_FORWARDED = ("pass", "delay", "truncate", "empty_etag", "unquoted_if_match", "missing_412",
+              "rgw_if_match")
+_ETAG_ELEMENT = re.compile(rb"<ETag>.*?</ETag>", re.DOTALL)
+
+
+def _with_body(response: bytes, payload: bytes, status: bytes | None = None) -> bytes:
+    """``response`` with its body replaced by ``payload`` (Content-Length kept right) and,
+    given ``status`` (e.g. ``b"412 Precondition Failed"``), its status line too."""
+    head, _, _ = response.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    if status is not None:
+        lines[0] = lines[0].split(b" ", 1)[0] + b" " + status
+    kept = [ln for ln in lines if not ln.lower().startswith((b"content-length:",
+                                                               b"transfer-encoding:"))]
+    return b"\r\n".join([*kept, b"Content-Length: %d" % len(payload)]) + b"\r\n\r\n" + payload
+
+
+def _status(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
 
 
 _ERROR_BODY = (
@@ -275,7 +304,7 @@ class FaultProxy:
         )
         action, fault = self._decide(req)
         body = b""
-        if action in ("pass", "delay", "truncate"):
+        if action in _FORWARDED:
             if headers.get("expect", "").lower() == "100-continue":  # botocore sends it
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 await writer.drain()
@@ -319,6 +348,12 @@ class FaultProxy:
                 await writer.drain()
                 writer.transport.abort()
                 return
+            elif action == "empty_etag":  # RGW's CompleteMultipartUpload: <ETag></ETag>
+                response = await self._forward(lines, headers, body)
+                payload = response.partition(b"\r\n\r\n")[2]
+                writer.write(_with_body(response, _ETAG_ELEMENT.sub(b"<ETag></ETag>", payload)))
+            elif action in ("unquoted_if_match", "missing_412", "rgw_if_match"):
+                writer.write(await self._quirky_conditional(action, lines, headers, body))
             else:
                 writer.write(await self._forward(lines, headers, body))
             await writer.drain()
@@ -328,6 +363,27 @@ class FaultProxy:
             with self._lock:
                 self.in_flight -= 1
             writer.close()
+
+    async def _quirky_conditional(
+        self, action: str, lines: list[str], headers: dict[str, str], body: bytes
+    ) -> bytes:
+        """A conditional PUT answered the way RGW does (see :class:`Fault`)."""
+        precondition = _with_body(
+            b"HTTP/1.1 412 Precondition Failed\r\nContent-Type: application/xml\r\n"
+            b"Connection: close\r\n\r\n",
+            _ERROR_BODY.format(code="PreconditionFailed").encode(),
+        )
+        value = headers.get("if-match")
+        if value is not None and action in ("unquoted_if_match", "rgw_if_match"):
+            if value.startswith('"'):
+                return precondition  # compared raw with the unquoted stored ETag: no match
+            lines = [f'If-Match: "{value}"' if ln.lower().startswith("if-match:") else ln
+                     for ln in lines]
+        response = await self._forward(lines, headers, body)
+        if (value is not None and action in ("missing_412", "rgw_if_match")
+                and _status(response) == 404):
+            return precondition
+        return response
 
     async def _forward(self, lines: list[str], headers: dict[str, str], body: bytes) -> bytes:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)

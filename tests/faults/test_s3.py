@@ -95,6 +95,23 @@ def test_transient_faults_are_retried_and_the_save_commits(s3: MotoS3,
     print(f"s3: {hits} transient faults in {len(CASES)} saves, all retried")
 
 
+def test_saves_commit_on_a_server_with_ceph_rgw_quirks(s3: MotoS3, proxy: FaultProxy) -> None:
+    """The proxy answers like Ceph RGW: CompleteMultipartUpload with an empty ETag, If-Match
+    compared unquoted, 412 on a missing key. Multipart blobs, manifests and the alias
+    compare-and-swap all go through, and every version restores exactly."""
+    prefix = s3.unique_prefix("rgw")
+    model, counter = Net(D), Counter()
+    empty = proxy.fail(COMPLETE, "empty_etag", times=None)
+    unquoted = proxy.fail(lambda r: r.method == "PUT" and "if-match" in r.headers,
+                          "rgw_if_match", times=None)
+    with _manager(proxy.endpoint_url, s3, prefix, model, counter) as m:
+        for step in (1, 2, 3):
+            _save(m, model, counter, step)
+    assert empty.hits >= 3 and unquoted.hits >= 2
+    assert s3.uploads(prefix) == []
+    assert _restores(s3, prefix, 3)[-1] == 3
+
+
 @pytest.mark.parametrize("target", ["part", "complete", "manifest"] if LONG else ["part"])
 def test_persistent_failure_aborts_the_upload_and_keeps_the_previous_version(
         s3: MotoS3, proxy: FaultProxy, target: str) -> None:

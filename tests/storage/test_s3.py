@@ -20,7 +20,21 @@ import pytest
 from mithril_async.config import RemoteConfig
 from mithril_async.errors import KeyExists, KeyNotFound, PreconditionFailed, StorageError
 from mithril_async.storage import DirListing, open_store
-from mithril_async.storage.s3 import MAX_RANGE, MIB, S3Store, crc32_b64, range_size
+from mithril_async.storage.s3 import (
+    MAX_OBJECT_SIZE,
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MAX_RANGE,
+    MIB,
+    MIN_PART_SIZE,
+    S3Store,
+    S3Writer,
+    crc32_b64,
+    max_blob_size,
+    part_size_at,
+    part_size_for,
+    range_size,
+)
 from mithril_async.testing.store import StoreTests
 from mithril_async.testing.store import run as run_with_store
 from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
@@ -138,13 +152,30 @@ def test_small_blob_is_a_single_put(factory: S3Factory, proxy: FaultProxy) -> No
 
 def test_part_size_grows_to_stay_under_the_part_limit(factory: S3Factory) -> None:
     w = factory.new().open_writer("k")
-    assert w._part_size(1) == w._part_size(1000) == factory.part_size
-    assert w._part_size(1001) == 2 * factory.part_size
-    assert w._part_size(9999) == 512 * factory.part_size
-    hinted = factory.new().open_writer("k", size_hint=100 * factory.part_size * 10_000)
-    assert hinted._part_size(1) == 100 * factory.part_size
+    assert w._part_size(1) == w._part_size(900) == factory.part_size
+    assert w._part_size(901) == 2 * factory.part_size
+    assert w._part_size(9999) == 2048 * factory.part_size
+    hinted = factory.new().open_writer("k", size_hint=100 * MIB * 10_000)
+    assert hinted._part_size(1) == 100 * MIB
     with pytest.raises(ValueError):
         S3Store("b", part_size=1 << 20)  # below S3's 5 MiB minimum
+
+
+def test_part_size_for_keeps_any_object_under_the_part_limit() -> None:
+    # unknown total: from S3's 5 MiB minimum the growing parts cover S3's largest object
+    assert part_size_for(None, MIN_PART_SIZE) == MIN_PART_SIZE
+    assert max_blob_size(MIN_PART_SIZE) >= MAX_OBJECT_SIZE
+    assert max_blob_size(8 * MIB) >= MAX_OBJECT_SIZE
+    sizes = [part_size_at(MIN_PART_SIZE, n) for n in range(1, MAX_PARTS + 1)]
+    assert sizes == sorted(sizes) and sizes[-1] == MAX_PART_SIZE
+    assert sum(sizes) == max_blob_size(MIN_PART_SIZE)
+    # known totals: one size for every part when the configured size would need > 10,000
+    assert part_size_for(10 * MIB, 8 * MIB) == 8 * MIB
+    assert part_size_for(1024**4, 8 * MIB) == 105 * MIB  # 1 TiB / 10,000, rounded up to MiB
+    for total in (1024**4 + 1, MAX_OBJECT_SIZE, 3 * 1024**4 + 12345):
+        first = part_size_for(total, MIN_PART_SIZE)
+        assert first % MIB == 0 and MAX_PARTS * first >= total
+    assert part_size_for(10 * MAX_OBJECT_SIZE, 8 * MIB) == MAX_PART_SIZE  # capped
 
 
 # -- reads ------------------------------------------------------------------------------------
@@ -172,6 +203,37 @@ def test_parallel_ranged_reads(factory: S3Factory, proxy: FaultProxy) -> None:
         assert many == [data[i * 1000 : i * 1000 + 5000] for i in range(20)]
 
     run(body, f)
+
+
+def test_read_stays_within_max_concurrency_from_its_first_request(
+    factory: S3Factory, proxy: FaultProxy
+) -> None:
+    """The first range and the HEAD beside it take slots like every other range: with the
+    first range held unanswered by the server, at most one more request is in flight."""
+    f = via_proxy(factory, proxy, max_concurrency=2)
+    data = blob(6 * f.part_size + 3)
+
+    async def body(s: S3Store) -> None:
+        await s.put("r", data)
+        proxy.clear()
+        first = proxy.fail(lambda r: r.method == "GET" and "if-match" not in r.headers, "hold")
+        pinned = proxy.fail(lambda r: r.method == "GET" and "if-match" in r.headers, "hold",
+                            times=None)
+        reading = asyncio.ensure_future(s.get("r"))
+        deadline = time.monotonic() + 60  # a safety net: these requests go out at once
+        while not (first.hits and pinned.hits) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert first.hits == 1 and pinned.hits >= 1
+        await asyncio.sleep(0.3)  # room for requests over the limit to show up
+        in_flight = proxy.max_in_flight
+        for fault in (first, pinned):  # stop holding; the held requests are retried
+            fault.times = fault.hits
+            fault.released.set()
+        assert await reading == data
+        assert in_flight <= 2
+
+    run(body, f)
+    assert proxy.max_in_flight <= 2
 
 
 def test_range_size_bounds() -> None:
@@ -288,6 +350,123 @@ def test_emulated_conditional_writes_are_flagged_and_logged(
     with caplog.at_level(logging.WARNING, logger="mithril_async.storage.s3"):
         run(body, f)
     assert "NON-ATOMIC" in caplog.text
+
+
+# -- quirks of real S3-compatible servers (Ceph RGW), played by the proxy ----------------------
+IF_MATCH_PUT = lambda r: r.method == "PUT" and "if-match" in r.headers  # noqa: E731
+
+
+def test_empty_completion_etag_is_filled_from_a_head(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+    data = blob(3 * f.part_size + 5)
+    quirk = proxy.fail(lambda r: r.is_complete, "empty_etag", times=None)
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("big")
+        await w.write(data)
+        assert await w.commit() == len(data)
+        assert await s.get("big") == data
+
+    run(body, f)
+    assert quirk.hits == 1
+    after = proxy.log[[r.is_complete for r in proxy.log].index(True) + 1 :]
+    assert after[0].method == "HEAD" and after[0].path.endswith("/big")
+
+
+class _CompletesWithoutETag:
+    """The S3Requests of a server whose completion has no ETag and whose HEAD shows
+    ``head`` (a unit double: a size mismatch cannot be produced by a correct server)."""
+
+    part_size = SMALL_PART
+    max_concurrency = 2
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = head
+        self.aborted = False
+
+    def full_key(self, key: str) -> str:
+        return key
+
+    def where(self, key: str) -> str:
+        return f"s3://b/{key}"
+
+    async def call(self, op: str, key: str, method: str, nbytes: int = 0, **kw: Any) -> Any:
+        return {"create_multipart_upload": {"UploadId": "u"}, "upload_part": {"ETag": '"p"'},
+                "complete_multipart_upload": {"ETag": ""}, "head_object": self.head}[method]
+
+    async def put_object(self, op: str, key: str, data: bytes | memoryview, **extra: Any) -> str:
+        raise AssertionError("a multipart blob")
+
+    async def abort_upload(self, key: str, upload_id: str) -> None:
+        self.aborted = True
+
+
+@pytest.mark.parametrize("head", [{"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART - 1},
+                                  {"ETag": "", "ContentLength": 3 * SMALL_PART}])
+def test_empty_completion_etag_with_a_wrong_object_fails_the_commit(head: dict[str, Any]) -> None:
+    s3 = _CompletesWithoutETag(head)
+
+    async def body() -> None:
+        w = S3Writer(s3, "k", None)
+        await w.write(b"x" * (3 * SMALL_PART))
+        with pytest.raises(StorageError, match=r"bytes where|nor did a HEAD") as info:
+            await w.commit()
+        assert info.value.errno == errno.EIO and "s3://b/k" in str(info.value)
+
+    asyncio.run(body())
+    assert s3.aborted
+
+
+@pytest.mark.parametrize("action", ["unquoted_if_match", "rgw_if_match"])
+@pytest.mark.parametrize("name", ["test_put_if_match_cas", "test_put_if_match_two_writers_one_wins",
+                                  "test_put_if_match_counter_is_linearizable"])
+def test_cas_on_a_server_comparing_if_match_unquoted(
+    factory: S3Factory, proxy: FaultProxy, name: str, action: str
+) -> None:
+    """The conformance suite's compare-and-swap tests, the linearizable counter included,
+    through a server that compares If-Match without quotes (and, for ``rgw_if_match``,
+    answers 412 on a missing key): every write lands, none is lost, stale ETags still fail."""
+    quirk = proxy.fail(IF_MATCH_PUT, action, times=None)
+    getattr(TestS3Store(), name)(via_proxy(factory, proxy))
+    assert quirk.hits > 0
+    sent = [r.headers["if-match"] for r in proxy.log if IF_MATCH_PUT(r)]
+    assert any(not v.startswith('"') for v in sent)  # the unquoted form was learnt
+
+
+def test_wrong_etag_never_matches_in_either_form(factory: S3Factory, proxy: FaultProxy) -> None:
+    f = via_proxy(factory, proxy)
+    quirk = proxy.fail(IF_MATCH_PUT, "rgw_if_match", times=None)
+
+    async def body(s: S3Store) -> None:
+        await s.put("alias", b"v0")
+        _, tag = await s.get_with_etag("alias")
+        tag1 = await s.put_if_match("alias", b"v1", tag)  # learns the unquoted form
+        for stale in (tag, tag.strip('"'), '"0123"', "0123"):
+            with pytest.raises(PreconditionFailed):
+                await s.put_if_match("alias", b"stale", stale)
+        assert await s.get_with_etag("alias") == (b"v1", tag1)
+        assert await s.put_if_match("alias", b"v2", tag1.strip('"'))  # either form we hold
+
+    run(body, f)
+    assert quirk.hits >= 6
+
+
+@pytest.mark.parametrize("action", ["missing_412", "pass"])
+def test_if_match_on_a_missing_key_fails_whether_412_or_404(
+    factory: S3Factory, proxy: FaultProxy, action: str
+) -> None:
+    f = via_proxy(factory, proxy)
+    quirk = proxy.fail(IF_MATCH_PUT, action, times=None)
+
+    async def body(s: S3Store) -> None:
+        await s.put("there", b"x")
+        _, tag = await s.get_with_etag("there")
+        with pytest.raises(PreconditionFailed):
+            await s.put_if_match("missing", b"y", tag)
+        assert not await s.exists("missing")
+
+    run(body, f)
+    assert quirk.hits >= 1
 
 
 # -- injected faults --------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Keys live under ``<prefix>/<key>`` in one bucket. Design points:
 
 - **Streaming multipart writes**: :class:`~mithril_async.storage.s3.writer.S3Writer` (bounded
-  concurrency and memory, part size growing past 1,000 parts). Every part and PUT carries a
-  CRC32 checksum (computed on a worker thread), which S3 verifies on receipt.
+  concurrency and memory, part size growing every 900 parts). Every part and PUT carries a
+  CRC32 checksum (computed on a worker thread), which S3 verifies on receipt (moto and Ceph
+  RGW do not: the manifest's own chunk and blob hashes, checked on read, cover every server).
 - **Parallel reads**: ``get`` / ``get_range`` split large reads into part-sized ranged GETs run
   concurrently (a HEAD beside the first range gives the size at once); the ranges are pinned
   to one ETag (``IfMatch``), so a concurrent overwrite restarts the read instead of mixing
@@ -12,13 +13,16 @@ Keys live under ``<prefix>/<key>`` in one bucket. Design points:
 - **Conditional writes**: ``IfNoneMatch="*"`` / ``IfMatch=<etag>`` on PutObject (S3 since
   2024, moto >= 5.0.x). ``conditional_writes="auto"`` probes the server once; servers that
   ignore the headers get a logged, *non-atomic* read-compare-write fallback and
-  ``atomic_conditional_writes`` becomes False.
+  ``atomic_conditional_writes`` becomes False. ``If-Match`` is sent quoted or unquoted,
+  whichever the server compares (Ceph RGW: unquoted); 404 and 412 on a missing key both fail
+  the precondition.
 - **Retries**: botocore's "standard" mode retries 5xx, throttling (SlowDown), connection
   errors and timeouts with jittered exponential backoff, up to ``max_attempts`` attempts per
   request; streamed response bodies (not covered by botocore) are retried here the same way.
   Permanent failures become :class:`StorageError` naming ``s3://bucket/key``; 404s become
   :class:`KeyNotFound`. S3's "200 OK with an <Error> body" on CompleteMultipartUpload is turned
-  into a retryable 500 by botocore; a completion without an ETag is still refused here.
+  into a retryable 500 by botocore. A completion with an empty ETag (Ceph RGW) is checked
+  by a HEAD: the object must exist with an ETag and exactly the size sent.
 - **Listings**: ``list`` pages through every key under a prefix; ``list_dir`` is one
   delimited listing (``Delimiter="/"``): the keys of one folder and its sub-folders only.
 - **No hangs**: ``Expect: 100-continue`` is dropped (aiohttp waits for the go-ahead without any
@@ -43,16 +47,21 @@ from mithril_async.storage.s3.store import (
     range_size,
 )
 from mithril_async.storage.s3.writer import (
+    MAX_OBJECT_SIZE,
     MAX_PART_SIZE,
     MAX_PARTS,
     MIB,
     S3Requests,
     S3Writer,
     crc32_b64,
+    max_blob_size,
+    part_size_at,
+    part_size_for,
 )
 
 __all__ = [
     "DEFAULT_PART_SIZE",
+    "MAX_OBJECT_SIZE",
     "MAX_PARTS",
     "MAX_PART_SIZE",
     "MAX_RANGE",
@@ -65,5 +74,8 @@ __all__ = [
     "error_code",
     "is_missing",
     "is_precondition",
+    "max_blob_size",
+    "part_size_at",
+    "part_size_for",
     "range_size",
 ]

@@ -127,6 +127,8 @@ class S3Store:
         self._client_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()
         self._warned_emulation = False
+        #: how this server wants If-Match: S3 and moto quoted, Ceph RGW unquoted (learnt)
+        self._if_match_form: Literal["quoted", "unquoted"] = "quoted"
 
     # -- plumbing --------------------------------------------------------------------------
     async def client(self) -> Any:
@@ -295,13 +297,22 @@ class S3Store:
         """
         chunk = self.part_size
         first_len = chunk if length is None else min(chunk, length)
-        first = asyncio.ensure_future(self._first_range(op, key, start, first_len))
+        # every request of this read, the first range and the HEAD included, takes a slot
+        sem = asyncio.Semaphore(self.max_concurrency)
+
+        async def limited(request: Callable[[], Awaitable[T]]) -> T:
+            async with sem:  # the coroutine is made only here: a cancelled task leaves none
+                return await request()
+
+        first = asyncio.ensure_future(
+            limited(lambda: self._first_range(op, key, start, first_len))
+        )
         tasks: list[asyncio.Future[Any]] = [first]
         try:
             if length is not None and length <= chunk:
                 return await first
             head = asyncio.ensure_future(
-                self.call(op, key, "head_object", Key=self.full_key(key))
+                limited(lambda: self.call(op, key, "head_object", Key=self.full_key(key)))
             )
             tasks.append(head)
             try:
@@ -315,7 +326,6 @@ class S3Store:
             stop = total if length is None else min(total, start + length)
             if start >= stop:
                 return b"", etag
-            sem = asyncio.Semaphore(self.max_concurrency)
             step = range_size(stop - start - first_len, chunk, self.max_concurrency)
 
             async def fetch(off: int) -> bytes:
@@ -492,14 +502,14 @@ class S3Store:
             )
 
         if await self._native():
-            cond = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
-            try:
-                return await self.put_object("put_if_match", key, data, **cond)
-            except StorageError as exc:
-                cause = exc.__cause__ or exc
-                if is_precondition(cause) or (etag is not None and is_missing(cause)):
-                    raise lost("<changed>") from exc
-                raise
+            if etag is None:
+                try:
+                    return await self.put_object("put_if_match", key, data, IfNoneMatch="*")
+                except StorageError as exc:
+                    if is_precondition(exc.__cause__ or exc):
+                        raise lost("<changed>") from exc
+                    raise
+            return await self._put_matching(key, data, etag, lost)
         try:
             head = await self.call("put_if_match", key, "head_object", Key=self.full_key(key))
             current: str | None = str(head.get("ETag", ""))
@@ -508,6 +518,51 @@ class S3Store:
         if current != etag:
             raise lost(current)
         return await self.put_object("put_if_match", key, data)
+
+    async def _put_if_match_form(self, key: str, data: bytes | memoryview, value: str) -> str:
+        """One PutObject with ``If-Match: value``; ``""`` when the precondition failed or the
+        key is missing (S3 and moto answer 404 there, Ceph RGW 412: both mean "not there")."""
+        try:
+            return await self.put_object("put_if_match", key, data, IfMatch=value)
+        except StorageError as exc:
+            cause = exc.__cause__ or exc
+            if is_precondition(cause) or is_missing(cause):
+                return ""
+            raise
+
+    async def _put_matching(
+        self,
+        key: str,
+        data: bytes | memoryview,
+        etag: str,
+        lost: Callable[[str | None], PreconditionFailed],
+    ) -> str:
+        """``put_if_match`` with an ETag, on a server that compares ``If-Match`` with the
+        ETag quoted (S3, moto) or unquoted (Ceph RGW): the form last seen to work is sent
+        first; on a 412 the other form is tried once, and only when a HEAD shows the object's
+        ETag equal to ``etag`` modulo quotes. The server still compares every write, so a
+        wrong ETag never matches in either form."""
+        bare = etag.strip('"')
+        forms = {"quoted": f'"{bare}"', "unquoted": bare}
+        first = self._if_match_form
+        new_tag = await self._put_if_match_form(key, data, forms[first])
+        if new_tag:
+            return new_tag
+        try:
+            head = await self.call("put_if_match", key, "head_object", Key=self.full_key(key))
+        except KeyNotFound:
+            raise lost(None) from None
+        current = str(head.get("ETag", ""))
+        if current.strip('"') != bare:
+            raise lost(current)
+        other: Literal["quoted", "unquoted"] = "unquoted" if first == "quoted" else "quoted"
+        new_tag = await self._put_if_match_form(key, data, forms[other])
+        if not new_tag:
+            raise lost("<changed>")
+        if self._if_match_form != other:
+            log.info("%s compares If-Match %s; sending it so from now on", self.url, other)
+            self._if_match_form = other
+        return new_tag
 
     def open_writer(self, key: str, size_hint: int | None = None) -> S3Writer:
         """Stream ``key`` as a multipart upload; ``size_hint`` (bytes) only picks a larger

@@ -2,9 +2,11 @@
 
 Parts are uploaded while the caller keeps writing, at most ``max_concurrency`` at a time, so
 memory stays at about ``(max_concurrency + 2) * part_size``; a blob smaller than one part
-becomes a single PUT at commit. The part size doubles every 1,000 parts (capped at 5 GiB), so
-a blob never hits S3's 10,000-part limit however large it grows. Every part carries a CRC32
-(``x-amz-checksum-crc32``, computed on a worker thread) that S3 verifies on receipt.
+becomes a single PUT at commit. The part size doubles every 900 parts (capped at 5 GiB), so
+a blob never hits S3's 10,000-part limit below S3's 5 TiB object limit (:func:`part_size_for`,
+:func:`part_size_at`). Every part carries a CRC32 (``x-amz-checksum-crc32``, computed on a
+worker thread) that servers implementing it (AWS S3) verify on receipt; moto and Ceph RGW do
+not, which is why the manifest's own per-chunk and per-blob hashes are checked on every read.
 
 The writer sends its requests through :class:`S3Requests` (which ``S3Store`` implements), so
 it knows nothing of the store beyond that small interface and this module imports nothing
@@ -28,7 +30,38 @@ log = logging.getLogger("mithril_async.storage.s3")
 MIB = 1 << 20
 MAX_PART_SIZE = 5 * 1024 * MIB
 MAX_PARTS = 10_000
-PARTS_PER_SIZE_STEP = 1_000
+#: the largest object S3 stores (5 TiB); 10,000 parts of the growing size always cover it
+MAX_OBJECT_SIZE = 5 * 1024**4
+#: the part size doubles after every this many parts (900: from S3's 5 MiB minimum part,
+#: 10,000 parts hold over 9 TiB; 1,000 would stop short of 5 TiB)
+PARTS_PER_SIZE_STEP = 900
+
+
+def part_size_for(total_bytes: int | None, configured: int) -> int:
+    """The size of the first part of a blob of ``total_bytes`` (``None``: unknown).
+
+    The configured size, or more when that would take over ``MAX_PARTS`` parts for a known
+    total (rounded up to a whole MiB), never over ``MAX_PART_SIZE``. Later parts grow
+    (:func:`part_size_at`), so an unknown or understated total still fits."""
+    base = configured
+    if total_bytes:
+        base = max(base, -(-total_bytes // MAX_PARTS // MIB) * MIB)
+    return min(base, MAX_PART_SIZE)
+
+
+def part_size_at(first: int, number: int) -> int:
+    """The size of part ``number`` (from 1) when part 1 has ``first`` bytes: doubled after
+    every ``PARTS_PER_SIZE_STEP`` parts, capped at ``MAX_PART_SIZE``."""
+    return min(MAX_PART_SIZE, first * 2 ** ((number - 1) // PARTS_PER_SIZE_STEP))
+
+
+def max_blob_size(first: int) -> int:
+    """The most bytes ``MAX_PARTS`` parts hold when part 1 has ``first`` bytes."""
+    total = 0
+    for start in range(1, MAX_PARTS + 1, PARTS_PER_SIZE_STEP):
+        count = min(PARTS_PER_SIZE_STEP, MAX_PARTS + 1 - start)
+        total += count * part_size_at(first, start)
+    return total
 
 
 def crc32_b64(data: bytes | bytearray | memoryview) -> str:
@@ -81,10 +114,7 @@ class S3Writer(WriterContext):
         self.key = key
         self._s3 = s3
         self._full = s3.full_key(key)
-        base = s3.part_size
-        if size_hint:
-            base = max(base, -(-size_hint // MAX_PARTS))
-        self._base_part = min(base, MAX_PART_SIZE)
+        self._base_part = part_size_for(size_hint, s3.part_size)
         self._buf = bytearray(self._part_size(1))  # zero pages are not touched until written
         self._fill = 0
         self._size = 0
@@ -103,7 +133,7 @@ class S3Writer(WriterContext):
         return self._upload_id
 
     def _part_size(self, number: int) -> int:
-        return min(MAX_PART_SIZE, self._base_part * 2 ** ((number - 1) // PARTS_PER_SIZE_STEP))
+        return part_size_at(self._base_part, number)
 
     def _check_open(self, op: str) -> None:
         if self._state != "open":
@@ -213,17 +243,32 @@ class S3Writer(WriterContext):
                     MultipartUpload={"Parts": parts},
                 )
                 if not resp.get("ETag"):
-                    raise StorageError(
-                        errno.EIO,
-                        f"CompleteMultipartUpload returned no ETag: {resp!r}",
-                        self._s3.where(self.key),
-                    )
+                    await self._check_completed()
         except BaseException:
             await self.abort()
             raise
         self._state = "committed"
         self._buf = bytearray()
         return self._size
+
+    async def _check_completed(self) -> None:
+        """CompleteMultipartUpload answered an empty ``<ETag></ETag>`` (Ceph RGW does, while
+        a HEAD right after shows the object): HEAD the object and accept it only if it has an
+        ETag and exactly the size we sent; anything else is a failed commit."""
+        where = self._s3.where(self.key)
+        head = await self._s3.call("commit", self.key, "head_object", Key=self._full)
+        etag, size = head.get("ETag"), head.get("ContentLength")
+        if not etag:
+            raise StorageError(
+                errno.EIO, "CompleteMultipartUpload returned no ETag, nor did a HEAD", where
+            )
+        if size != self._size:
+            raise StorageError(
+                errno.EIO,
+                f"completed object has {size} bytes where {self._size} were sent",
+                where,
+            )
+        log.debug("filled the empty completion ETag of %s from a HEAD: %s", where, etag)
 
     async def abort(self) -> None:
         """Cancel part uploads and abort the multipart upload; never raises (a failed abort
