@@ -221,15 +221,19 @@ class RunCatalog:
     def _stale_bound(self, stale_after_s: float | None) -> float:
         return self.claim_stale_s if stale_after_s is None else stale_after_s
 
-    async def unfinished(self, *, stale_after_s: float | None = None
+    async def unfinished(self, *, stale_after_s: float | None = None,
+                         numbers: dict[int, bool] | None = None
                          ) -> tuple[list[int], dict[int, dict[str, Any]]]:
         """(abandoned, live) unfinished versions: version folders without a manifest, split
-        by whether their claim is stale; live ones map to their claim."""
+        by whether their claim is stale; live ones map to their claim. ``numbers``: what
+        :meth:`version_numbers` returned, if the caller has just listed it."""
         bound = self._stale_bound(stale_after_s)
         me = owner_identity()
         stale: list[int] = []
         live: dict[int, dict[str, Any]] = {}
-        for n, committed in sorted((await self.version_numbers()).items()):
+        if numbers is None:
+            numbers = await self.version_numbers()
+        for n, committed in sorted(numbers.items()):
             if committed:
                 continue
             doc = await self.read_claim(n)
@@ -305,15 +309,20 @@ class RunCatalog:
         stale, live = await self.unfinished(stale_after_s=stale_after_s)
         removed = []
         for n in stale:
-            folder = self.layout.version_dir(n) + "/"
-            for key in await self.store.list(folder):
-                await self.store.delete(key)
-            await self.store.cleanup_incomplete(folder)
+            await self.remove_unfinished(n)
             removed.append(self.layout.version_dir(n))
         await self.store.cleanup_incomplete(
             self.layout.root + "/", orphan_age_s,
             skip=[self.layout.version_dir(n) + "/" for n in live])
         return removed
+
+    async def remove_unfinished(self, n: int) -> None:
+        """Remove everything of unfinished version ``n`` (its files, temp files and
+        uploads): only for one whose claim is abandoned (:meth:`unfinished`)."""
+        folder = self.layout.version_dir(n) + "/"
+        for key in await self.store.list(folder):
+            await self.store.delete(key)
+        await self.store.cleanup_incomplete(folder)
 
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a

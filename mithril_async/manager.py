@@ -150,8 +150,8 @@ class CheckpointManager:
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None, on_save=on_save)
         self._reader = VersionReader(self.catalog, codec=self._codec, pool=self._pool)
         self._loop: BackgroundLoop | None = None
-        self._inflight: concurrent.futures.Future[SaveResult] | None = None
-        #: the last save's handle: whether its caller already saw its error
+        #: the last save's handle (its future: the save in flight), until its outcome has
+        #: been taken; ``error_seen`` says whether its caller already saw its error
         self._handle: SaveHandle | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -168,6 +168,11 @@ class CheckpointManager:
     def history(self) -> list[SaveResult]:
         """Every save's result, in order (skipped and failed ones included)."""
         return self._ctx.history
+
+    @property
+    def _inflight(self) -> concurrent.futures.Future[SaveResult] | None:
+        """The last save's future (done or not) until its outcome has been taken."""
+        return None if self._handle is None else self._handle.future
 
     @property
     def sharded_model(self) -> bool:
@@ -281,10 +286,10 @@ class CheckpointManager:
             if wait and self._inflight is not None:
                 concurrent.futures.wait([self._inflight])
         finally:
-            fut = self._inflight
+            handle, fut = self._handle, self._inflight
             if fut is None or fut.done():  # an abandoned save (wait=False) is no failure
                 unseen = self._take_error()
-            if self._handle is not None and self._handle.error_seen:
+            if handle is not None and handle.error_seen:
                 unseen = None  # handle.result() raised it to the caller
             self._closed = True
             if self._guard is not None:
@@ -330,7 +335,7 @@ class CheckpointManager:
         """The error of a failed save not yet reported (then forgotten: reported once)."""
         fut = self._inflight
         if fut is not None and fut.done():
-            self._inflight = None
+            self._handle = None
             exc = None if fut.cancelled() else fut.exception()
             if exc is not None:
                 self._error = exc
@@ -414,9 +419,7 @@ class CheckpointManager:
     def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None,
                 waited: float) -> SaveHandle:
         res = job.begin(metrics, waited)
-        fut = self.loop.submit(job.run())
-        self._inflight = fut
-        self._handle = SaveHandle(res, fut)
+        self._handle = SaveHandle(res, self.loop.submit(job.run()))
         return self._handle
 
     async def wait_until_finished(self) -> None:

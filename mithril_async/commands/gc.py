@@ -69,14 +69,15 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
     cat.claim_stale_s = args.claim_stale
     store, lay = cat.store, cat.layout
     out: list[dict[str, Any]] = []
-    stale, live = await cat.unfinished()
+    numbers = await cat.version_numbers()
+    stale, live = await cat.unfinished(numbers=numbers)
     for n in stale:
         out.append({"kind": "unfinished", "what": lay.version_dir(n),
                     "keys": await store.list(lay.version_dir(n) + "/")})
     for n, doc in live.items():
         out.append({"kind": "skip", "what": lay.version_dir(n), "keys": [], "live": True,
                     "why": f"live save: {describe_claim(doc)}"})
-    for n, committed in sorted((await cat.version_numbers()).items()):
+    for n, committed in sorted(numbers.items()):
         if not committed:
             continue
         keys = await store.list(lay.version_dir(n) + "/")
@@ -113,6 +114,8 @@ async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
                     args: argparse.Namespace) -> None:
     """Carry out ``plan``; leftovers of unfinished writes go by the same rules it was made
     with (a gone writer's whatever their age, a live save's never, others by age)."""
+    from mithril_async.manifest import version_number
+
     cat = target.catalog(run_id)
     lay = cat.layout
     live = [i["what"] + "/" for i in plan if i.get("live")]
@@ -120,9 +123,7 @@ async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
         if item["kind"] == "retention":
             await cat.delete_version(item["what"])
         elif item["kind"] == "unfinished":
-            for key in item["keys"]:
-                await cat.store.delete(key)
-            await cat.store.cleanup_incomplete(item["what"] + "/")
+            await cat.remove_unfinished(version_number(item["what"].rsplit("/", 1)[-1]))
         elif item["kind"] == "orphan":
             for key in item["keys"]:
                 await cat.store.delete(key)

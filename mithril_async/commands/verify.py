@@ -132,27 +132,13 @@ class Verifier:
                 raise Damage(key, detail)
         return data
 
-    async def check_blob(self, ref: Any) -> None:
-        """Decode every tensor of a blob (every block, delta base and tensor reference), one
-        at a time and dropped at once: memory stays at the blob plus one tensor, whatever
-        the blob claims to decode to."""
-        from mithril_async.pipeline.bases import BaseLoader
-
-        if ref.format == "mldc":  # lossy: checked and parsed, decoded only along its chain
-            await self.reader.read(ref)
-            return
-        codec = self.reader.codec
-        async for _name, _tensor in codec.read_each(
-                self.catalog.store, ref, lambda: BaseLoader(self.catalog, codec, ref.key)):
-            pass
-
     async def check_version(self, m: Any) -> None:
         from mithril_async.errors import MithrilError
 
         for ref in m.blobs():
             await self.check_file(ref.key, ref.bytes, ref.xxh64)
             try:
-                await self.check_blob(ref)
+                await self.reader.check_blob(ref)  # one tensor at a time
             except MithrilError as err:
                 raise Damage(ref.key, str(err)) from None
             self.blobs += 1

@@ -103,6 +103,18 @@ class VersionReader:
         self._loader.needed_by = ref.key  # named by errors about its bases
         return await self.codec.read(self.catalog.store, ref, self._loader)
 
+    async def check_blob(self, ref: BlobRef) -> None:
+        """Verify one blob whole (every block, delta base and referenced tensor, and that it
+        decodes to the raw size its manifest records) holding one tensor at a time: each is
+        decoded with a loader of its own and dropped before the next, so memory stays at
+        the blob plus one tensor whatever the blob claims (``mithril verify``)."""
+        if ref.format == "mldc":  # lossy: checked and parsed, decoded only along its chain
+            await self.read(ref)
+            return
+        async for _name, _tensor in self.codec.read_each(
+                self.catalog.store, ref, lambda: BaseLoader(self.catalog, self.codec, ref.key)):
+            pass
+
     async def read_version(self, target: str | int, *, rank: int = 0,
                            world_size: int | None = None, items: Collection[str] | None = None,
                            rng: bool = True, fallback: bool = False) -> DecodedVersion:
