@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-s3 test lint bench gpu-check gpu-wheels
+.PHONY: setup system-deps demo demo-s3 test lint bench gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,26 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+# System packages the tests use beyond pip: Ceph (mon, osd, radosgw; 16.2.15 on Debian 12)
+# for the S3 tests against a real RADOS Gateway (tests/rgw_server.py). Installed with apt when
+# running as root and missing; otherwise it says so and carries on: those tests are then
+# skipped, each saying why.
+CEPH_PACKAGES := ceph-mon ceph-osd radosgw ceph-common
+system-deps:
+	@if command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null \
+	    && command -v radosgw >/dev/null && command -v radosgw-admin >/dev/null; then \
+	  echo "system-deps: Ceph present ($$(ceph --version | cut -d' ' -f1-3))"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "system-deps: installing $(CEPH_PACKAGES) with apt"; \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	    --no-install-recommends $(CEPH_PACKAGES)) \
+	  || echo "system-deps: apt could not install Ceph; the RGW tests will be skipped"; \
+	else \
+	  echo "system-deps: Ceph is missing and cannot be installed here (needs root and apt:" \
+	    "apt-get install $(CEPH_PACKAGES)); the RGW tests will be skipped"; \
+	fi
+
+test: lint system-deps
 	$(BIN)/python -m pytest -q
 
 # The CUDA paths on a real GPU (docs/GPU.md): without a CUDA device it says so and exits 0;

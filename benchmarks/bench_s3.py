@@ -17,6 +17,19 @@ compression off and on, vs ``upload_fileobj`` of the same state's safetensors by
 ``download_fileobj``.
 
     python benchmarks/bench_s3.py --mib 256 --repeats 3
+
+Anchor (issue 20): AWS's ``s3torchconnector`` (its DCP ``S3StorageWriter`` /
+``S3StorageReader``, the PyTorch connector people use for S3 checkpoints) against our
+manager (``mode = "remote_only"``, compression off and on) and plain ``upload_fileobj`` /
+``download_fileobj``, on the same server and the same state, on moto and on a real Ceph RGW
+started here (tests/rgw_server.py), medians of N, runs rotating so drift hits all alike:
+
+    python benchmarks/bench_s3.py --anchor --server both --mib 256 --repeats 3
+
+s3torchconnector cannot save to Ceph RGW 16 directly (its CompleteMultipartUpload answers an
+empty ETag; the connector fails with ``Header "ETag" not found``): there it is measured
+through a relay on loopback that fills in the ETag (``FaultProxy`` ``fill_etag``), and ours
+is measured both directly and through the same relay, so a like-for-like ratio exists.
 """
 
 from __future__ import annotations
@@ -25,12 +38,14 @@ import argparse
 import asyncio
 import io
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aioboto3
@@ -196,6 +211,214 @@ def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: i
         print(f"| {k} | {v:.3f} | {mb / v:.1f} | {v / ref:.2f} |")
 
 
+# -- the s3torchconnector anchor -------------------------------------------------------------
+def _s3tc() -> Any:
+    """The s3torchconnector DCP classes, or None when it (or its ``dcp`` extra) is missing."""
+    try:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+    except ImportError as exc:
+        print(f"s3torchconnector missing ({exc}): pip install 's3torchconnector[dcp]==1.5.0'")
+        return None
+    return S3ClientConfig, S3Client, S3StorageReader, S3StorageWriter
+
+
+def _s3tc_io(endpoint: str, path: str, part_mib: int) -> tuple[Any, Any]:
+    """A (writer, reader) pair of s3torchconnector on ``endpoint``: its DCP classes take no
+    endpoint, so their client is replaced by one made with the connector's own ``S3Client``
+    (path-style addressing, our part size)."""
+    config_cls, client_cls, reader_cls, writer_cls = _s3tc()
+    cfg = config_cls(force_path_style=True, part_size=part_mib * MIB)
+    writer = writer_cls("us-east-1", path, s3client_config=cfg)
+    reader = reader_cls("us-east-1", path, s3client_config=cfg)
+    for io_ in (writer, reader):
+        io_.fs._client = client_cls("us-east-1", endpoint=endpoint, s3client_config=cfg)
+    return writer, reader
+
+
+def s3tc_direct_error(endpoint: str, part_mib: int) -> str | None:
+    """One s3torchconnector save of a multipart-sized tensor straight on ``endpoint``: None
+    if it works, else the error (what a user of it sees)."""
+    import torch.distributed.checkpoint as dcp
+
+    writer, _ = _s3tc_io(endpoint, "s3://bench/s3tc-direct/ckpt", part_mib)
+    try:
+        dcp.save({"w": torch.zeros(3 * part_mib * MIB // 4)}, storage_writer=writer)
+    except BaseException as exc:  # DCP wraps the failure in a CheckpointException
+        lines = [ln for ln in str(exc).splitlines() if "Exception" in ln or "error" in ln]
+        return lines[-1].strip() if lines else f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def bench_anchor(label: str, endpoint: str, mib: int, repeats: int, part_mib: int, conc: int,
+                 ours_only: bool = False) -> dict[str, float]:
+    """Medians (s) of saving and restoring one state: ours raw and zstd, s3torchconnector's
+    DCP writer and reader, and upload_fileobj / download_fileobj of its safetensors bytes."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    n = max(1, mib // 16)
+    state = {f"w{i}": torch.randn(2048, 2048, generator=g) * 0.02 for i in range(n)}
+    raw = safetensors.torch.save(state)
+    times: dict[str, list[float]] = {}
+    runs = tempfile.mkdtemp(prefix="bench-s3-")
+    managers = {}
+    slug = "".join(c if c.isalnum() else "-" for c in label)
+    for comp in (False, True):
+        tag = "zstd" if comp else "raw"
+        cfg = parse_config(
+            f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "{slug}-{tag}"\nkeep_last = 1\n'
+            f'[checkpointing.remote]\nbucket = "bench"\nprefix = "anchor"\n'
+            f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
+            f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
+            f"[checkpointing.compression]\nenabled = {str(comp).lower()}\n")
+        managers[tag] = CheckpointManager(cfg, {"model": TensorDict(state)})
+    live = {k: torch.empty_like(v) for k, v in state.items()}
+    has_s3tc = not ours_only and _s3tc() is not None
+    tconf = TransferConfig(multipart_threshold=part_mib * MIB,
+                           multipart_chunksize=part_mib * MIB, max_concurrency=conc)
+    client_cm = aioboto3.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    loop = asyncio.new_event_loop()
+    client = loop.run_until_complete(client_cm.__aenter__())
+    step = [0]
+
+    def ours_save(tag: str) -> Callable[[], None]:
+        def go() -> None:
+            step[0] += 1
+            managers[tag].save_nowait(step[0]).result()
+        return go
+
+    def ours_restore(tag: str) -> Callable[[], None]:
+        return lambda: managers[tag].restore_sync("latest") and None
+
+    def s3tc_save() -> None:
+        writer, _ = _s3tc_io(endpoint, "s3://bench/anchor/s3tc/ckpt", part_mib)
+        dcp.save(state, storage_writer=writer)
+
+    def s3tc_restore() -> None:
+        _, reader = _s3tc_io(endpoint, "s3://bench/anchor/s3tc/ckpt", part_mib)
+        dcp.load(live, storage_reader=reader)
+
+    def upload() -> None:
+        loop.run_until_complete(client.upload_fileobj(
+            io.BytesIO(raw), "bench", "anchor/fileobj.safetensors", Config=tconf))
+
+    def download() -> None:
+        out = io.BytesIO()
+        loop.run_until_complete(client.download_fileobj(
+            "bench", "anchor/fileobj.safetensors", out, Config=tconf))
+        assert out.getbuffer().nbytes == len(raw)
+
+    saves: list[tuple[str, Callable[[], None]]] = [
+        ("save ours (raw)", ours_save("raw")), ("save ours (zstd)", ours_save("zstd"))]
+    restores: list[tuple[str, Callable[[], None]]] = [
+        ("restore ours (raw)", ours_restore("raw")), ("restore ours (zstd)", ours_restore("zstd"))]
+    if has_s3tc:
+        saves.append(("save s3torchconnector", s3tc_save))
+        restores.append(("restore s3torchconnector", s3tc_restore))
+    if not ours_only:
+        saves.append(("upload_fileobj", upload))
+        restores.append(("download_fileobj", download))
+    try:
+        for ops in (saves, restores):
+            for _name, fn in ops:  # one untimed round: clients, run folders, probes
+                fn()
+            for i in range(repeats):  # rotate the order each round: drift hits all alike
+                for name, fn in ops[i % len(ops):] + ops[: i % len(ops)]:
+                    t0 = time.perf_counter()
+                    fn()
+                    times.setdefault(name, []).append(time.perf_counter() - t0)
+        if has_s3tc:  # the anchor restored exactly what it saved
+            assert all(torch.equal(live[k], state[k]) for k in state)
+    finally:
+        for m in managers.values():
+            m.close()
+        loop.run_until_complete(client_cm.__aexit__(None, None, None))
+        loop.close()
+        shutil.rmtree(runs, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mb = len(raw) / 1e6
+    print(f"\n[{label}] checkpoint of {mb:.0f} MB (fp32 weight-like), median of {repeats} "
+          "after one untimed round")
+    print("| operation | median s | all runs s | MB/s of state |")
+    print("|---|---:|---:|---:|")
+    for k, v in med.items():
+        runs_s = ", ".join(f"{t:.2f}" for t in times[k])
+        print(f"| {k} | {v:.2f} | {runs_s} | {mb / v:.0f} |")
+    for ref in ("s3torchconnector", "fileobj"):
+        sref = med.get("save s3torchconnector" if ref != "fileobj" else "upload_fileobj")
+        rref = med.get("restore s3torchconnector" if ref != "fileobj" else "download_fileobj")
+        if sref and rref:
+            print(f"ratio ours/{ref} (time; < 1 is faster): "
+                  f"save raw {med['save ours (raw)'] / sref:.2f}x, "
+                  f"zstd {med['save ours (zstd)'] / sref:.2f}x; "
+                  f"restore raw {med['restore ours (raw)'] / rref:.2f}x, "
+                  f"zstd {med['restore ours (zstd)'] / rref:.2f}x")
+    return med
+
+
+def run_anchor(server: str, mib: int, repeats: int, part_mib: int, conc: int) -> None:
+    """The anchor on moto (its own process) and/or a real Ceph RGW (started here)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    print(f"s3torchconnector {_version('s3torchconnector')}, moto {_version('moto')}, "
+          f"torch {torch.__version__}")
+    if server in ("moto", "both"):
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                          AWS_DEFAULT_REGION="us-east-1")
+        os.environ.pop("AWS_SESSION_TOKEN", None)
+        port = free_port()
+        proc = start_moto(port)
+        endpoint = f"http://127.0.0.1:{port}"
+        try:
+            boto3_client(endpoint).create_bucket(Bucket="bench")
+            bench_anchor("moto", endpoint, mib, repeats, part_mib, conc)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    if server in ("rgw", "both"):
+        from tests.rgw_server import CephRGW, RGWUnavailable
+        from tests.s3_server import fault_proxy
+
+        try:
+            rgw_cm = CephRGW(bucket="bench", block_gib=8.0)
+            rgw = rgw_cm.__enter__()
+        except RGWUnavailable as exc:
+            print(f"\n[rgw] skipped: {exc}")
+            return
+        try:
+            print(f"\n{rgw.version}")
+            if _s3tc() is not None:
+                error = s3tc_direct_error(rgw.endpoint_url, part_mib)
+                print("s3torchconnector straight on RGW: "
+                      + (f"FAILS: {error}" if error else "works"))
+            bench_anchor("rgw direct (ours only)", rgw.endpoint_url, mib, repeats, part_mib,
+                         conc, ours_only=True)
+            with fault_proxy(rgw) as relay:
+                relay.fail(lambda r: r.is_complete, "fill_etag", times=None)
+                bench_anchor("rgw via ETag-filling relay", relay.endpoint_url, mib, repeats,
+                             part_mib, conc)
+        finally:
+            rgw_cm.__exit__(None, None, None)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "missing"
+
+
+def boto3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="blob size in MiB")
@@ -203,7 +426,13 @@ def main() -> None:
     ap.add_argument("--part-mib", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--endpoint", default=None, help="use this S3 endpoint instead of moto")
+    ap.add_argument("--anchor", action="store_true",
+                    help="only the s3torchconnector anchor (issue 20), on --server")
+    ap.add_argument("--server", choices=["moto", "rgw", "both"], default="both")
     args = ap.parse_args()
+    if args.anchor:
+        run_anchor(args.server, args.mib, args.repeats, args.part_mib, args.concurrency)
+        return
     proc = None
     endpoint = args.endpoint
     if endpoint is None:  # local moto: dummy credentials, never the caller's real ones

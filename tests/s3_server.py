@@ -7,6 +7,8 @@ Reusable from any test folder::
     with MotoS3() as s3:            # starts the server, dummy credentials in the env
         s3.endpoint_url, s3.bucket, s3.client (a sync boto3 client for inspection)
 
+A real Ceph RGW with the same surface (:class:`S3Server`) is in :mod:`tests.rgw_server`.
+
 Two deliberate adjustments, both documented where they are made:
 
 - ``S3_UPLOAD_PART_MIN_SIZE`` is lowered (moto reads it when ``moto.settings`` is imported,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import re
 import socket
@@ -28,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 SMALL_PART = 256 * 1024
@@ -90,23 +93,62 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class S3Server(Protocol):
+    """What tests use of a server: :class:`MotoS3` or :class:`tests.rgw_server.CephRGW`."""
+
+    #: "moto" or "rgw": for the few expectations that differ between servers
+    kind: str
+    bucket: str
+    port: int
+    endpoint_url: str
+    #: a sync boto3 client, for inspecting the server behind the store's back
+    client: Any
+
+    @property
+    def env(self) -> dict[str, str]: ...
+    def unique_prefix(self, label: str = "t") -> str: ...
+    def uploads(self, prefix: str) -> list[dict[str, Any]]: ...
+    def objects(self, prefix: str) -> list[str]: ...
+
+
+@contextlib.contextmanager
+def dummy_env() -> Iterator[None]:
+    """The suite's dummy credentials in ``os.environ`` (and no profile or endpoint from the
+    machine's own AWS set-up) for the duration; the previous values come back after."""
+    saved = {name: os.environ.get(name) for name in (*DUMMY_ENV, *UNSET_ENV)}
+    os.environ.update(DUMMY_ENV)
+    for name in UNSET_ENV:
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class MotoS3:
     """Context manager: moto S3 on a free loopback port, one bucket, dummy credentials."""
+
+    kind = "moto"
 
     def __init__(self, bucket: str = "mithril-test") -> None:
         self.bucket = bucket
         self.port = free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._server = _Server(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self._saved: dict[str, str | None] = {}
+        self._env = contextlib.ExitStack()
         self.client: Any = None
 
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for a child process talking to this server (dummy credentials)."""
+        return dict(DUMMY_ENV)
+
     def __enter__(self) -> MotoS3:
-        for name in (*DUMMY_ENV, *UNSET_ENV):
-            self._saved[name] = os.environ.get(name)
-        os.environ.update(DUMMY_ENV)
-        for name in UNSET_ENV:
-            os.environ.pop(name, None)
+        self._env.enter_context(dummy_env())
         self._server.start()
         self.client = boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1")
         self.client.create_bucket(Bucket=self.bucket)
@@ -114,11 +156,7 @@ class MotoS3:
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop()
-        for name, value in self._saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        self._env.close()
 
     def unique_prefix(self, label: str = "t") -> str:
         return f"{label}-{uuid.uuid4().hex[:12]}"
@@ -169,6 +207,12 @@ class Fault:
     with the stored ETag *without* quotes: a quoted value never matches, 412; an unquoted one
     is quoted again for moto, which compares quoted); ``"missing_412"`` (a conditional PUT on a
     missing key answers 412, not moto's 404); ``"rgw_if_match"`` (both of the last two).
+    In front of RGW (``FaultProxy.upstream_quotes_if_match`` False) the unquoted value is
+    forwarded as it is, since RGW itself compares unquoted. The opposite, a relay *mending*
+    RGW for clients that cannot cope with it (benchmarks/bench_s3.py): ``"fill_etag"``
+    answers a CompleteMultipartUpload whose ``<ETag>`` is empty with the ETag S3 defines
+    (MD5 of the parts' binary MD5s, ``-<parts>``), computed from the parts the request lists,
+    in the body and as an ``ETag`` header.
     ``times=None`` fails forever."""
 
     match: Callable[[ProxyRequest], bool]
@@ -180,8 +224,16 @@ class Fault:
 
 #: actions that forward the request upstream (so its body is read first)
 _FORWARDED = ("pass", "delay", "truncate", "empty_etag", "unquoted_if_match", "missing_412",
-              "rgw_if_match")
+              "rgw_if_match", "fill_etag")
 _ETAG_ELEMENT = re.compile(rb"<ETag>.*?</ETag>", re.DOTALL)
+_PART_ETAG = re.compile(rb"<ETag>\s*(?:&quot;|\")?([0-9a-fA-F]{32})(?:&quot;|\")?\s*</ETag>")
+
+
+def multipart_etag(complete_request: bytes) -> bytes:
+    """S3's ETag of a multipart object (quoted), from the CompleteMultipartUpload request
+    body listing its parts' ETags: MD5 of the binary part MD5s, then ``-<number of parts>``."""
+    md5s = [bytes.fromhex(m.decode()) for m in _PART_ETAG.findall(complete_request)]
+    return b'"%s-%d"' % (hashlib.md5(b"".join(md5s)).hexdigest().encode(), len(md5s))
 
 
 def _with_body(response: bytes, payload: bytes, status: bytes | None = None) -> bytes:
@@ -215,6 +267,8 @@ class FaultProxy:
     """
 
     upstream_port: int
+    #: whether the server behind compares If-Match quoted (moto) or unquoted (Ceph RGW)
+    upstream_quotes_if_match: bool = True
     faults: list[Fault] = field(default_factory=list)
     log: list[ProxyRequest] = field(default_factory=list)
     in_flight: int = 0
@@ -352,6 +406,15 @@ class FaultProxy:
                 response = await self._forward(lines, headers, body)
                 payload = response.partition(b"\r\n\r\n")[2]
                 writer.write(_with_body(response, _ETAG_ELEMENT.sub(b"<ETag></ETag>", payload)))
+            elif action == "fill_etag":  # mend RGW's empty completion ETag
+                response = await self._forward(lines, headers, body)
+                head, _, payload = response.partition(b"\r\n\r\n")
+                if _status(response) == 200 and b"<ETag></ETag>" in payload:
+                    etag = multipart_etag(body)
+                    payload = payload.replace(b"<ETag></ETag>",
+                                              b"<ETag>%s</ETag>" % etag.replace(b'"', b"&quot;"))
+                    response = _with_body(head + b"\r\nETag: " + etag + b"\r\n\r\n", payload)
+                writer.write(response)
             elif action in ("unquoted_if_match", "missing_412", "rgw_if_match"):
                 writer.write(await self._quirky_conditional(action, lines, headers, body))
             else:
@@ -377,8 +440,9 @@ class FaultProxy:
         if value is not None and action in ("unquoted_if_match", "rgw_if_match"):
             if value.startswith('"'):
                 return precondition  # compared raw with the unquoted stored ETag: no match
-            lines = [f'If-Match: "{value}"' if ln.lower().startswith("if-match:") else ln
-                     for ln in lines]
+            if self.upstream_quotes_if_match:
+                lines = [f'If-Match: "{value}"' if ln.lower().startswith("if-match:") else ln
+                         for ln in lines]
         response = await self._forward(lines, headers, body)
         if (value is not None and action in ("missing_412", "rgw_if_match")
                 and _status(response) == 404):
@@ -404,8 +468,8 @@ class FaultProxy:
 
 
 @contextlib.contextmanager
-def fault_proxy(server: MotoS3) -> Iterator[FaultProxy]:
-    with FaultProxy(server.port) as proxy:
+def fault_proxy(server: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(server.port, upstream_quotes_if_match=server.kind != "rgw") as proxy:
         yield proxy
 
 

@@ -107,14 +107,21 @@ HOSTILE_PREFIXES = [
 class StoreFactory(Protocol):
     """Opens store objects on one test-private location."""
 
-    #: bytes a streaming writer must exceed before anything (temp file / multipart upload)
-    #: exists server-side; conformance tests write more than this to create orphans
-    spill_size: int
-    #: size of a blob that spans several parts / many writes on this backend
-    large_size: int
-    #: whether the backend knows when an incomplete write started (moto's S3 does not:
-    #: it reports every multipart upload as initiated in 2010)
-    knows_upload_age: bool
+    # read-only properties, so a factory may compute them (from its part size, its server)
+
+    @property
+    def spill_size(self) -> int:
+        """Bytes a streaming writer must exceed before anything (temp file / multipart
+        upload) exists server-side; conformance tests write more than this to make orphans."""
+
+    @property
+    def large_size(self) -> int:
+        """Size of a blob that spans several parts / many writes on this backend."""
+
+    @property
+    def knows_upload_age(self) -> bool:
+        """Whether the backend knows when an incomplete write started (moto's S3 does not:
+        it reports every multipart upload as initiated in 2010; Ceph RGW does)."""
 
     def new(self) -> Store: ...
 

@@ -1,4 +1,6 @@
-"""Issue 8.5: S3 faults through a real moto server and a fault-injecting proxy: 500, 503
+"""Issue 8.5: S3 faults through a real server (moto, and a real Ceph RGW: every test runs on
+both; the RGW runs are skipped, saying why, where Ceph cannot run) behind a
+fault-injecting proxy: 500, 503
 SlowDown and connection resets on parts, on CompleteMultipartUpload and on small PUTs (retried,
 the save commits); persistent failures (typed error, upload aborted, nothing published, the
 previous version intact); cancellation mid-upload; SIGKILL mid-upload (the orphan upload and
@@ -20,25 +22,43 @@ import pytest
 from mithril_async import CheckpointManager, StorageError
 from tests.faults._common import LONG, Counter, Net, make_config, matches_step, metric, set_step
 from tests.faults._s3_child import open_store
-from tests.s3_server import FaultProxy, MotoS3, ProxyRequest, fault_proxy, wait_until
+from tests.rgw_server import RGWUnavailable, shared_rgw
+from tests.s3_server import (
+    FaultProxy,
+    MotoS3,
+    ProxyRequest,
+    S3Server,
+    dummy_env,
+    fault_proxy,
+    wait_until,
+)
 
 ROOT = Path(__file__).parents[2]
 D = 256  # 0.4 MiB of fp32: two 256 KiB parts per model blob
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[MotoS3]:
-    with MotoS3() as server:
-        yield server
+@pytest.fixture(scope="module", params=["moto", "rgw"])
+def s3(request: pytest.FixtureRequest) -> Iterator[S3Server]:
+    """moto, started for this module, or the session's one Ceph RGW (tests/rgw_server.py)."""
+    if request.param == "moto":
+        with MotoS3() as server:
+            yield server
+        return
+    with dummy_env():
+        try:
+            rgw = shared_rgw()
+        except RGWUnavailable as exc:
+            pytest.skip(f"Ceph RGW unavailable: {exc}")
+        yield rgw
 
 
 @pytest.fixture
-def proxy(s3: MotoS3) -> Iterator[FaultProxy]:
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
     with fault_proxy(s3) as p:
         yield p
 
 
-def _manager(endpoint: str, s3: MotoS3, prefix: str, model: Net, counter: Counter,
+def _manager(endpoint: str, s3: S3Server, prefix: str, model: Net, counter: Counter,
              attempts: int = 3) -> CheckpointManager:
     cfg = make_config(Path("/nonexistent/runs"), delta=False, keep_last=2)
     return CheckpointManager(cfg, {"model": model, "data": counter},
@@ -46,7 +66,7 @@ def _manager(endpoint: str, s3: MotoS3, prefix: str, model: Net, counter: Counte
                              runs_prefix="runs")
 
 
-def _restores(s3: MotoS3, prefix: str, expect_latest: int) -> list[int]:
+def _restores(s3: S3Server, prefix: str, expect_latest: int) -> list[int]:
     """A fresh manager straight on the server: latest and every version restore exactly."""
     model, counter = Net(D), Counter()
     with _manager(s3.endpoint_url, s3, prefix, model, counter) as r:
@@ -77,7 +97,7 @@ CASES = ([(a, t) for a in ACTIONS for t in TARGETS] if LONG else
          [(ACTIONS[i % 3], t) for i, t in enumerate(TARGETS)])
 
 
-def test_transient_faults_are_retried_and_the_save_commits(s3: MotoS3,
+def test_transient_faults_are_retried_and_the_save_commits(s3: S3Server,
                                                            proxy: FaultProxy) -> None:
     prefix = s3.unique_prefix("transient")
     model, counter = Net(D), Counter()
@@ -95,7 +115,7 @@ def test_transient_faults_are_retried_and_the_save_commits(s3: MotoS3,
     print(f"s3: {hits} transient faults in {len(CASES)} saves, all retried")
 
 
-def test_saves_commit_on_a_server_with_ceph_rgw_quirks(s3: MotoS3, proxy: FaultProxy) -> None:
+def test_saves_commit_on_a_server_with_ceph_rgw_quirks(s3: S3Server, proxy: FaultProxy) -> None:
     """The proxy answers like Ceph RGW: CompleteMultipartUpload with an empty ETag, If-Match
     compared unquoted, 412 on a missing key. Multipart blobs, manifests and the alias
     compare-and-swap all go through, and every version restores exactly."""
@@ -112,9 +132,22 @@ def test_saves_commit_on_a_server_with_ceph_rgw_quirks(s3: MotoS3, proxy: FaultP
     assert _restores(s3, prefix, 3)[-1] == 3
 
 
+def test_saves_commit_straight_on_the_server(s3: S3Server) -> None:
+    """No proxy: on Ceph RGW its own quirks (the empty completion ETag, If-Match compared
+    unquoted, 412 on a missing key) are met for real, not imitated; on moto the same saves
+    are the reference. Versions restore exactly and no upload is left behind."""
+    prefix = s3.unique_prefix("direct")
+    model, counter = Net(D), Counter()
+    with _manager(s3.endpoint_url, s3, prefix, model, counter) as m:
+        for step in (1, 2, 3):
+            _save(m, model, counter, step)
+    assert s3.uploads(prefix) == []
+    assert _restores(s3, prefix, 3) == [2, 3]  # keep_last = 2
+
+
 @pytest.mark.parametrize("target", ["part", "complete", "manifest"] if LONG else ["part"])
 def test_persistent_failure_aborts_the_upload_and_keeps_the_previous_version(
-        s3: MotoS3, proxy: FaultProxy, target: str) -> None:
+        s3: S3Server, proxy: FaultProxy, target: str) -> None:
     prefix = s3.unique_prefix(f"persistent-{target}")
     model, counter = Net(D), Counter()
     with _manager(proxy.endpoint_url, s3, prefix, model, counter, attempts=2) as m:
@@ -135,7 +168,7 @@ def test_persistent_failure_aborts_the_upload_and_keeps_the_previous_version(
     assert _restores(s3, prefix, 3) == [1, 3]
 
 
-def test_cancel_mid_upload_aborts_it(s3: MotoS3, proxy: FaultProxy) -> None:
+def test_cancel_mid_upload_aborts_it(s3: S3Server, proxy: FaultProxy) -> None:
     prefix = s3.unique_prefix("cancel")
     model, counter = Net(D), Counter()
     # the proxy holds part 2 unanswered until released: the save is surely still uploading
@@ -160,7 +193,7 @@ def test_cancel_mid_upload_aborts_it(s3: MotoS3, proxy: FaultProxy) -> None:
     assert _restores(s3, prefix, 3) == [1, 3]
 
 
-def test_sigkill_mid_upload_orphan_aborted_at_next_start(s3: MotoS3, proxy: FaultProxy) -> None:
+def test_sigkill_mid_upload_orphan_aborted_at_next_start(s3: S3Server, proxy: FaultProxy) -> None:
     prefix = s3.unique_prefix("killed")
     # the completion of step 2's upload is held unanswered: the child is surely mid-upload
     # when it is killed (a failing request would let it give up after its retries)

@@ -10,7 +10,7 @@ import aioboto3
 
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.s3 import S3Store
-from tests.s3_server import SMALL_PART, MotoS3
+from tests.s3_server import SMALL_PART, S3Server
 
 
 @dataclass
@@ -29,14 +29,18 @@ _SESSION = aioboto3.Session()  # shared: building a botocore session per store i
 
 @dataclass
 class S3Factory:
-    server: MotoS3
+    server: S3Server
     prefix: str
     endpoint_url: str = ""
     part_size: int = SMALL_PART
     max_concurrency: int = 4
     max_attempts: int = 3
     options: dict[str, object] = field(default_factory=dict)
-    knows_upload_age: bool = False  # moto reports every upload as initiated in 2010
+
+    @property
+    def knows_upload_age(self) -> bool:
+        """moto reports every upload as initiated in 2010; RGW tells the real time."""
+        return self.server.kind != "moto"
 
     @property
     def spill_size(self) -> int:
@@ -53,9 +57,8 @@ class S3Factory:
             endpoint_url=self.endpoint_url or self.server.endpoint_url,
             region_name="us-east-1",
             part_size=self.part_size,
-            min_part_size=SMALL_PART,
             max_concurrency=self.max_concurrency,
             max_attempts=self.max_attempts,
             session=_SESSION,
-            **self.options,  # type: ignore[arg-type]
+            **{"min_part_size": SMALL_PART, **self.options},  # type: ignore[arg-type]
         )

@@ -1,5 +1,7 @@
-"""S3Store against a real S3-compatible server (moto over HTTP on loopback): the shared
-conformance suite, then multipart, parallel reads, conditional writes and injected faults."""
+"""S3Store against real S3-compatible servers over HTTP on loopback, moto and a real Ceph
+RGW (every test runs on both; the RGW runs are skipped, saying why, where Ceph cannot run):
+the shared conformance suite, then multipart, parallel reads, conditional writes, the quirks
+of real servers and injected faults (through a proxy in front of either server)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import boto3
 import pytest
 
 from mithril_async.config import RemoteConfig
@@ -29,6 +32,7 @@ from mithril_async.storage.s3 import (
     MIN_PART_SIZE,
     S3Store,
     S3Writer,
+    composite_crc32,
     crc32_b64,
     max_blob_size,
     part_size_at,
@@ -37,14 +41,49 @@ from mithril_async.storage.s3 import (
 )
 from mithril_async.testing.store import StoreTests
 from mithril_async.testing.store import run as run_with_store
-from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, fault_proxy
+from tests import rgw_server
+from tests.rgw_server import CephRGW, RGWUnavailable
+from tests.s3_server import SMALL_PART, FaultProxy, S3Server, fault_proxy
 from tests.storage.factories import S3Factory
+
+
+@pytest.fixture(scope="module", params=["moto", "rgw"])
+def s3_server(request: pytest.FixtureRequest) -> S3Server:
+    """Every test of this module runs on moto and on Ceph RGW (grouped by server)."""
+    server: S3Server = request.getfixturevalue(f"{request.param}_server")
+    return server
 
 
 class TestS3Store(StoreTests):
     @pytest.fixture
-    def factory(self, s3_server: MotoS3) -> S3Factory:
+    def factory(self, s3_server: S3Server) -> S3Factory:
         return S3Factory(s3_server, s3_server.unique_prefix())
+
+
+# -- the RGW launcher ----------------------------------------------------------------------
+def test_rgw_launcher_says_when_ceph_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rgw_server, "BINARIES", ("ceph-mon", "no-such-ceph-binary"))
+    with (pytest.raises(RGWUnavailable, match=r"not installed.*no-such-ceph-binary.*system-deps"),
+          CephRGW()):
+        pass
+
+
+class _FailsAfterTheMonitor(CephRGW):
+    def _osd_up(self) -> bool:
+        raise RGWUnavailable("injected: the OSD never comes up")
+
+
+def test_rgw_launcher_stops_what_it_started_when_the_start_fails() -> None:
+    """A start failing half-way (the monitor up, the OSD not) stops the daemons already
+    running, by their pid files, removes its folder and says what went wrong."""
+    if rgw_server.missing_binaries():
+        pytest.skip(f"Ceph is not installed: missing {rgw_server.missing_binaries()}")
+    rgw = _FailsAfterTheMonitor()
+    with pytest.raises(RGWUnavailable, match="did not start: injected") as info:
+        rgw.__enter__()
+    assert "mon.a.log" in str(info.value)  # the daemons' log tails are in the message
+    assert len(rgw.stopped) >= 2 and rgw.dir is None  # the monitor and the OSD process
+    assert not [pid for pid in rgw.stopped if rgw_server._alive(pid)]
 
 
 def run(coro_fn: Any, factory: S3Factory) -> Any:
@@ -53,12 +92,12 @@ def run(coro_fn: Any, factory: S3Factory) -> Any:
 
 
 @pytest.fixture
-def factory(s3_server: MotoS3) -> S3Factory:
+def factory(s3_server: S3Server) -> S3Factory:
     return S3Factory(s3_server, s3_server.unique_prefix("s3"))
 
 
 @pytest.fixture
-def proxy(s3_server: MotoS3) -> Iterator[FaultProxy]:
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
     with fault_proxy(s3_server) as p:
         yield p
 
@@ -73,7 +112,7 @@ def blob(n: int, seed: int = 7) -> bytes:
 
 # -- multipart -------------------------------------------------------------------------------
 def test_large_blob_is_multipart_with_crc32_per_part(
-    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+    s3_server: S3Server, factory: S3Factory, proxy: FaultProxy
 ) -> None:
     f = via_proxy(factory, proxy, max_concurrency=2)
     data = blob(5 * f.part_size + 1234)
@@ -292,15 +331,15 @@ def test_missing_bucket_is_a_storage_error_not_key_not_found(factory: S3Factory)
     run(body, replace(factory, server=replace_bucket(factory.server, "no-such-bucket-xyz")))
 
 
-def replace_bucket(server: MotoS3, bucket: str) -> MotoS3:
-    clone = object.__new__(MotoS3)
+def replace_bucket(server: S3Server, bucket: str) -> S3Server:
+    clone: S3Server = object.__new__(type(server))
     clone.__dict__.update(server.__dict__, bucket=bucket)
     return clone
 
 
 # -- listings ---------------------------------------------------------------------------------
 def test_list_dir_is_one_delimited_listing_skipping_foreign_names(
-    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+    s3_server: S3Server, factory: S3Factory, proxy: FaultProxy
 ) -> None:
     """Objects other tools wrote under names no key can have are left out, as ``list`` does;
     a neighbouring prefix (``<prefix>x``) is not part of the store."""
@@ -371,6 +410,7 @@ def test_empty_completion_etag_is_filled_from_a_head(factory: S3Factory, proxy: 
     assert quirk.hits == 1
     after = proxy.log[[r.is_complete for r in proxy.log].index(True) + 1 :]
     assert after[0].method == "HEAD" and after[0].path.endswith("/big")
+    assert after[0].headers.get("x-amz-checksum-mode") == "ENABLED"  # compared if returned
 
 
 class _CompletesWithoutETag:
@@ -401,20 +441,88 @@ class _CompletesWithoutETag:
         self.aborted = True
 
 
-@pytest.mark.parametrize("head", [{"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART - 1},
-                                  {"ETag": "", "ContentLength": 3 * SMALL_PART}])
+#: the composite CRC32 of three parts of SMALL_PART bytes b"x" (what S3 and moto report)
+_X3 = composite_crc32([crc32_b64(b"x" * SMALL_PART)] * 3)
+
+
+@pytest.mark.parametrize("head", [
+    {"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART - 1},
+    {"ETag": "", "ContentLength": 3 * SMALL_PART},
+    {"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART, "ChecksumCRC32": "AAAAAA==-3"},
+    {"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART, "ChecksumCRC32": f"{_X3}-2"},
+])
 def test_empty_completion_etag_with_a_wrong_object_fails_the_commit(head: dict[str, Any]) -> None:
+    """Size, and the checksum where the server gives one, must be what was sent."""
     s3 = _CompletesWithoutETag(head)
 
     async def body() -> None:
         w = S3Writer(s3, "k", None)
         await w.write(b"x" * (3 * SMALL_PART))
-        with pytest.raises(StorageError, match=r"bytes where|nor did a HEAD") as info:
+        with pytest.raises(StorageError, match=r"bytes where|nor did a HEAD|CRC32 is") as info:
             await w.commit()
         assert info.value.errno == errno.EIO and "s3://b/k" in str(info.value)
 
     asyncio.run(body())
     assert s3.aborted
+
+
+@pytest.mark.parametrize("checksum", [_X3, f"{_X3}-3", None])
+def test_empty_completion_etag_with_the_right_object_commits(checksum: str | None) -> None:
+    """The checksum with or without S3's ``-<parts>`` suffix, or none at all (Ceph RGW 16
+    returns none: then the size alone is checked)."""
+    head: dict[str, Any] = {"ETag": '"e-3"', "ContentLength": 3 * SMALL_PART}
+    if checksum is not None:
+        head["ChecksumCRC32"] = checksum
+    s3 = _CompletesWithoutETag(head)
+
+    async def body() -> None:
+        w = S3Writer(s3, "k", None)
+        await w.write(b"x" * (3 * SMALL_PART))
+        assert await w.commit() == 3 * SMALL_PART
+
+    asyncio.run(body())
+    assert not s3.aborted
+
+
+def test_parts_below_the_servers_minimum_are_refused_clearly(
+    s3_server: S3Server, factory: S3Factory
+) -> None:
+    """A part size under the server's minimum (here a quarter of what the test servers
+    accept; S3 and RGW refuse it only at completion) fails the commit with an error naming
+    the setting to raise; the upload is aborted and nothing is published."""
+    small = SMALL_PART // 4
+    f = replace(factory, part_size=small, options={"min_part_size": small})
+
+    async def body(s: S3Store) -> None:
+        w = s.open_writer("tiny-parts")
+        await w.write(blob(3 * small + 10))
+        with pytest.raises(StorageError, match="EntityTooSmall") as info:
+            await w.commit()
+        assert info.value.errno == errno.EINVAL
+        assert f"parts of {small} bytes" in str(info.value) and "part_mib" in str(info.value)
+        assert "tiny-parts" in str(info.value)
+        assert not await s.exists("tiny-parts")
+
+    run(body, f)
+    assert s3_server.uploads(f.prefix) == []
+
+
+def test_relay_fills_an_empty_completion_etag(s3_server: S3Server, proxy: FaultProxy) -> None:
+    """The benchmark's relay (``fill_etag``) gives clients that cannot cope with RGW's empty
+    completion ETag the one S3 defines, equal to what a HEAD shows; moto's is kept."""
+    proxy.fail(lambda r: r.is_complete, "fill_etag", times=None)
+    client = boto3.client("s3", endpoint_url=proxy.endpoint_url, region_name="us-east-1")
+    key = f"{s3_server.unique_prefix('relay')}/mp"
+    upload = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)["UploadId"]
+    parts = []
+    for n in (1, 2):
+        resp = client.upload_part(Bucket=s3_server.bucket, Key=key, UploadId=upload,
+                                  PartNumber=n, Body=blob(SMALL_PART, n))
+        parts.append({"PartNumber": n, "ETag": resp["ETag"]})
+    done = client.complete_multipart_upload(Bucket=s3_server.bucket, Key=key, UploadId=upload,
+                                            MultipartUpload={"Parts": parts})
+    head = s3_server.client.head_object(Bucket=s3_server.bucket, Key=key)
+    assert done["ETag"] == head["ETag"] and head["ETag"].endswith('-2"')
 
 
 @pytest.mark.parametrize("action", ["unquoted_if_match", "rgw_if_match"])
@@ -489,7 +597,7 @@ def test_part_failing_once_is_retried(factory: S3Factory, proxy: FaultProxy) -> 
 
 
 def test_part_failing_always_aborts_the_upload(
-    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+    s3_server: S3Server, factory: S3Factory, proxy: FaultProxy
 ) -> None:
     f = via_proxy(factory, proxy, max_attempts=2)
     proxy.fail(lambda r: r.is_upload_part and r.query["partNumber"] == ["2"], "503", times=None)
@@ -512,7 +620,7 @@ def test_part_failing_always_aborts_the_upload(
 
 
 def test_complete_200_with_error_body(
-    s3_server: MotoS3, factory: S3Factory, proxy: FaultProxy
+    s3_server: S3Server, factory: S3Factory, proxy: FaultProxy
 ) -> None:
     f = via_proxy(factory, proxy, max_attempts=2)
     data = blob(2 * f.part_size + 1)
@@ -626,7 +734,7 @@ def _start_orphan(bucket: str, prefix: str, endpoint: str, ready: Any) -> None:
 
 
 def test_killed_process_leaves_an_orphan_that_cleanup_aborts(
-    s3_server: MotoS3, factory: S3Factory
+    s3_server: S3Server, factory: S3Factory
 ) -> None:
     ctx = multiprocessing.get_context("fork")  # no re-import of torch in the child
     ready = ctx.Event()
@@ -652,7 +760,7 @@ def test_killed_process_leaves_an_orphan_that_cleanup_aborts(
     assert s3_server.uploads(factory.prefix) == []
 
 
-def test_open_store_s3(s3_server: MotoS3) -> None:
+def test_open_store_s3(s3_server: S3Server) -> None:
     store = open_store(
         "s3://mithril-test/some/prefix", endpoint_url=s3_server.endpoint_url, max_attempts=2
     )

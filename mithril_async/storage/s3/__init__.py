@@ -22,7 +22,9 @@ Keys live under ``<prefix>/<key>`` in one bucket. Design points:
   Permanent failures become :class:`StorageError` naming ``s3://bucket/key``; 404s become
   :class:`KeyNotFound`. S3's "200 OK with an <Error> body" on CompleteMultipartUpload is turned
   into a retryable 500 by botocore. A completion with an empty ETag (Ceph RGW) is checked
-  by a HEAD: the object must exist with an ETag and exactly the size sent.
+  by a HEAD: the object must exist with an ETag, exactly the size sent and, where the server
+  returns one, the CRC32 of the parts sent. Parts a server refuses as too small
+  (``EntityTooSmall``) fail the commit with an error naming the part size to raise.
 - **Listings**: ``list`` pages through every key under a prefix; ``list_dir`` is one
   delimited listing (``Delimiter="/"``): the keys of one folder and its sub-folders only.
 - **No hangs**: ``Expect: 100-continue`` is dropped (aiohttp waits for the go-ahead without any
@@ -53,6 +55,7 @@ from mithril_async.storage.s3.writer import (
     MIB,
     S3Requests,
     S3Writer,
+    composite_crc32,
     crc32_b64,
     max_blob_size,
     part_size_at,
@@ -70,6 +73,7 @@ __all__ = [
     "S3Requests",
     "S3Store",
     "S3Writer",
+    "composite_crc32",
     "crc32_b64",
     "error_code",
     "is_missing",

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 from mithril_async.errors import StorageError
 from mithril_async.storage.base import WriterContext
+from mithril_async.storage.s3.errors import error_code
 
 log = logging.getLogger("mithril_async.storage.s3")
 
@@ -67,6 +68,13 @@ def max_blob_size(first: int) -> int:
 def crc32_b64(data: bytes | bytearray | memoryview) -> str:
     """The base64 big-endian CRC32 S3 expects in ``x-amz-checksum-crc32``."""
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+
+
+def composite_crc32(part_checksums: list[str]) -> str:
+    """S3's checksum of a multipart object made with CRC32 (``COMPOSITE``, the default): the
+    CRC32 of the parts' binary CRC32s one after the other, base64 (S3 appends ``-<parts>``)."""
+    joined = b"".join(base64.b64decode(c) for c in part_checksums)
+    return crc32_b64(joined)
 
 
 async def crc32_async(data: bytes | bytearray | memoryview) -> str:
@@ -243,7 +251,12 @@ class S3Writer(WriterContext):
                     MultipartUpload={"Parts": parts},
                 )
                 if not resp.get("ETag"):
-                    await self._check_completed()
+                    await self._check_completed(parts)
+        except StorageError as exc:
+            await self.abort()
+            if error_code(exc.__cause__ or exc)[0] == "EntityTooSmall":
+                raise self._too_small() from exc
+            raise
         except BaseException:
             await self.abort()
             raise
@@ -251,12 +264,27 @@ class S3Writer(WriterContext):
         self._buf = bytearray()
         return self._size
 
-    async def _check_completed(self) -> None:
+    def _too_small(self) -> StorageError:
+        """The server refused the parts as too small at completion (``EntityTooSmall``): say
+        which size was configured and what to change, rather than pass on a bare code."""
+        return StorageError(
+            errno.EINVAL,
+            f"the server refused parts of {self._base_part} bytes as too small "
+            "(EntityTooSmall): raise the part size (S3Store part_size, [checkpointing.remote] "
+            "part_mib) to at least the server's minimum part size (AWS S3: 5 MiB; Ceph RGW: "
+            "rgw_multipart_min_part_size, 5 MiB by default); the upload was aborted",
+            self._s3.where(self.key),
+        )
+
+    async def _check_completed(self, parts: list[dict[str, Any]]) -> None:
         """CompleteMultipartUpload answered an empty ``<ETag></ETag>`` (Ceph RGW does, while
         a HEAD right after shows the object): HEAD the object and accept it only if it has an
-        ETag and exactly the size we sent; anything else is a failed commit."""
+        ETag, exactly the size we sent and, where the server returns one (moto and AWS S3 do;
+        Ceph RGW 16 does not), the CRC32 of the parts we sent; anything else is a failed
+        commit (and the manifest's own hashes still cover what a server does not check)."""
         where = self._s3.where(self.key)
-        head = await self._s3.call("commit", self.key, "head_object", Key=self._full)
+        head = await self._s3.call("commit", self.key, "head_object", Key=self._full,
+                                   ChecksumMode="ENABLED")
         etag, size = head.get("ETag"), head.get("ContentLength")
         if not etag:
             raise StorageError(
@@ -268,6 +296,19 @@ class S3Writer(WriterContext):
                 f"completed object has {size} bytes where {self._size} were sent",
                 where,
             )
+        found = head.get("ChecksumCRC32")
+        if found and head.get("ChecksumType", "COMPOSITE") == "COMPOSITE":
+            expected = composite_crc32([p["ChecksumCRC32"] for p in parts])
+            value, _, count = str(found).partition("-")
+            if value != expected or count not in ("", str(len(parts))):
+                raise StorageError(
+                    errno.EIO,
+                    f"completed object's CRC32 is {found} where the {len(parts)} parts sent "
+                    f"give {expected}-{len(parts)}",
+                    where,
+                )
+        elif not found:
+            log.debug("%s: the server returns no checksum; size checked only", where)
         log.debug("filled the empty completion ETag of %s from a HEAD: %s", where, etag)
 
     async def abort(self) -> None:
