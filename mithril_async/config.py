@@ -99,6 +99,34 @@ class PipelineConfig(_Strict):
     #: writer every min(30 s, claim_stale_s / 4)) is older than this; only then may another
     #: process (start-up cleanup, ``mithril gc``) remove it (claims.py: CLAIM_STALE_S)
     claim_stale_s: float = Field(300.0, gt=0)
+    #: a hard cap on the host memory the pipeline holds at any moment (staging buffers, the
+    #: encode window, write buffers, delta bases), in MiB. None (default): unlimited, today's
+    #: path (staging buffers of the whole state, 2x with delta chains). A state whose staged
+    #: path would not fit streams through a ring of reused chunk buffers instead (each chunk
+    #: encoded and written before its buffer is reused), as keyframes (pipeline/stager.py).
+    #: At least :func:`min_host_memory` (six chunks + 4 MiB: 28 MiB with chunk_mib = 4).
+    host_memory_mib: int | None = Field(None, ge=1)
+
+
+def min_host_memory(chunk_mib: float) -> int:
+    """The smallest ``host_memory_mib`` (bytes) a save can run in: one staging slot of a chunk;
+    one codec thread's own buffers (two chunks and 2 MiB); two chunks for a chunk in flight
+    (its encoding, then the encoded block until written); one for a blob's first bytes while
+    its version number is agreed; 2 MiB of write buffers and blob header."""
+    return 6 * max(1, int(chunk_mib * (1 << 20))) + (4 << 20)
+
+
+def check_host_memory(comp: CompressionConfig, pipe: PipelineConfig) -> None:
+    """:class:`ConfigError` when ``host_memory_mib`` is below :func:`min_host_memory`."""
+    if pipe.host_memory_mib is None:
+        return
+    need = min_host_memory(comp.chunk_mib)
+    if pipe.host_memory_mib << 20 < need:
+        raise ConfigError(
+            f"checkpointing.pipeline.host_memory_mib = {pipe.host_memory_mib} is below the "
+            f"minimum of {-(-need >> 20)} MiB: six chunks of compression.chunk_mib = "
+            f"{comp.chunk_mib} (a staging slot, a codec thread's buffers, a chunk in flight, "
+            "a blob's first bytes) plus 4 MiB; raise it or lower chunk_mib")
 
 
 class RemoteConfig(_Strict):
@@ -177,6 +205,9 @@ class CheckpointingConfig(_Strict):
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig())
     remote: RemoteConfig | None = None
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
+    #: [checkpointing.tiers] (node-local tier, peer replicas, remote): the raw table, validated
+    #: by mithril_async.tiers.TiersConfig when a Tiers is built from this config; None: off
+    tiers: dict[str, Any] | None = None
     #: other top-level tables of the TOML recorded with the run (runs/<id>/config/), secret-
     #: looking values redacted; by default only [checkpointing] is (other tables hold secrets)
     record_config: list[str] = Field(default_factory=list)
@@ -185,6 +216,14 @@ class CheckpointingConfig(_Strict):
     @classmethod
     def _table_names(cls, v: list[str]) -> list[str]:
         return _no_blank(v, "table names")
+
+    @model_validator(mode="after")
+    def _budget_fits_a_chunk(self) -> CheckpointingConfig:
+        try:
+            check_host_memory(self.compression, self.pipeline)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return self
 
     @field_validator("runs_path")
     @classmethod

@@ -153,3 +153,26 @@ class ClaimLost(StorageError):
 
 
 __all__ += ["ClaimLost"]
+
+
+class HostMemoryExceeded(MithrilError, MemoryError):
+    """A save would need more host memory than ``[checkpointing.pipeline] host_memory_mib``
+    allows for something it cannot split (a huge non-tensor value, a tensor that must be
+    copied whole, the lossy tier's reconstruction); nothing is published. The message names
+    the value and both sizes."""
+
+
+__all__ += ["HostMemoryExceeded"]
+
+
+class RestoreIncomplete(MithrilError, RuntimeError):
+    """A restore failed after it had begun writing into the live tensors: the live state is
+    partially overwritten (some tensors hold the version's values, others their old ones) and
+    must not be trained on; restore again (another version) or restart. ``__cause__`` is the
+    error that stopped it. A restore that fails before writing raises that error itself (the
+    live state untouched). The message names the version and what was written."""
+
+    partially_overwritten = True
+
+
+__all__ += ["RestoreIncomplete"]

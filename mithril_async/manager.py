@@ -23,9 +23,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
+
+import torch
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config
@@ -49,7 +52,14 @@ from mithril_async.pipeline.reader import DecodedVersion, VersionReader
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.pipeline.save import SaveContext, SaveJob
 from mithril_async.retention import Policy, from_config
-from mithril_async.state import JsonStateful, Stateful, restore_rng
+from mithril_async.state import (
+    JsonStateful,
+    Stateful,
+    default_on_reshard,
+    flatten_state,
+    reseed_rng,
+    restore_rng,
+)
 from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
@@ -360,7 +370,9 @@ class CheckpointManager:
         job = SaveJob(self._ctx, step, t0)
         for snap in self._snapshot(job):
             await snap.wait()
-        return self._submit(job, metrics, waited)
+        handle = self._submit(job, metrics, waited)
+        await job.consumed()  # streamed (host_memory_mib): until its chunks are copied out
+        return handle
 
     def save_nowait(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Synchronous ``save()``: blocks only for the snapshot (and a busy pipeline)."""
@@ -378,7 +390,9 @@ class CheckpointManager:
         job = SaveJob(self._ctx, step, t0)
         for snap in self._snapshot(job):
             snap.wait_blocking()
-        return self._submit(job, metrics, waited)
+        handle = self._submit(job, metrics, waited)
+        job.wait_consumed()  # streamed (host_memory_mib): until its chunks are copied out
+        return handle
 
     def _begin(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -439,45 +453,99 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ restore
     async def restore(self, target: str | int = "latest", *, fallback: bool = False,
-                      load: Literal["all", "model"] = "all") -> int:
-        """Load a committed version into the live state; return its step.
+                      load: Literal["all", "model"] = "all",
+                      on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
+        """Load a committed version into the live state; return its step (a
+        :class:`RestoreResult`: an int that also says ``resume.exact``).
 
         ``fallback=True``: if the target fails verification, the newest older version that
         verifies is loaded instead (and a warning names what was skipped).
+
+        A version whose sharded state (``ShardedModel`` / ``ShardedOptimizer``) recorded its
+        pieces restores on any world size and mesh: each rank reads the pieces overlapping
+        its own shards, straight into the live tensors. What cannot be remapped is said, not
+        guessed: ``result.resume.exact`` is False; the RNG of a rank that existed at the save
+        is restored, a new rank is reseeded deterministically (``state.reseed_rng``); each
+        data-loader state (``get_state``) is ``on_reshard(states_by_rank, new_rank,
+        new_world)`` (default: :func:`~mithril_async.state.default_on_reshard`).
         """
         loop = self._started(maintain=False)
         decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load)))
-        self._apply(decoded, load)
-        return decoded.manifest.step
+        return self._apply(decoded, load, on_reshard)
 
     def restore_sync(self, target: str | int = "latest", *, fallback: bool = False,
-                     load: Literal["all", "model"] = "all") -> int:
+                     load: Literal["all", "model"] = "all",
+                     on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
         decoded = self._bg(self._read(target, fallback, load))
-        self._apply(decoded, load)
-        return int(decoded.manifest.step)
+        return self._apply(decoded, load, on_reshard)
 
     async def _read(self, target: str | int, fallback: bool, load: str) -> DecodedVersion:
         # per-rank RNG/data state is not restored for a model-only load
+        if self._guard is not None:  # a copy still reading the live tensors finishes first
+            await asyncio.get_running_loop().run_in_executor(None, self._guard.wait)
         return await self._reader.read_version(
             target, rank=self.rank, world_size=self.world_size, fallback=fallback,
-            items={"model"} if load == "model" else None, rng=load != "model")
+            items={"model"} if load == "model" else None, rng=load != "model",
+            reshard=self._reshard_targets, in_place=self._in_place_targets)
 
-    def _apply(self, decoded: DecodedVersion, load: str) -> None:
+    def _in_place_targets(self, item: str) -> Mapping[str, Any] | None:
+        """The live tensors of a (not sharded) item by stored name, to decode straight into:
+        a module's state_dict() and an optimizer's hold the live tensors themselves."""
+        obj = self.state.get(item)
+        if not isinstance(obj, Stateful) or hasattr(obj, "reshard_targets"):
+            return None
+        if item == "optimizer" and not self.cfg.resume_optimizer:
+            return None
+        return flatten_state(obj.state_dict())[1]
+
+    def _reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
+        """Where a restore from pieces writes ``item`` on this rank (sharded items only)."""
+        obj = self.state.get(item)
+        if obj is None or not hasattr(obj, "reshard_targets"):
+            return None
+        if item == "optimizer" and not self.cfg.resume_optimizer:
+            return None
+        targets: dict[str, Any] = obj.reshard_targets(pieces)
+        return targets
+
+    def _apply(self, decoded: DecodedVersion, load: str,
+               on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
         m, trees, rng_doc = decoded.manifest, decoded.trees, decoded.rng
         if self._guard is not None:  # a copy still reading the live tensors finishes first
             self._guard.wait()
+        resharded = decoded.rng_by_rank is not None
+        by_rank = decoded.rng_by_rank or {}
+        notes: list[str] = []
         for name, obj in self.state.items():
             if load == "model" and name != "model":
                 continue
             if name == "optimizer" and not self.cfg.resume_optimizer:
                 continue
-            if isinstance(obj, Stateful):
+            if name in decoded.from_pieces:
+                obj.load_resharded(trees[name])
+            elif isinstance(obj, Stateful):
                 if name not in trees:
                     raise VersionNotFound(f"{m.version_id} has no state for {name!r}")
+                if name in decoded.in_place and isinstance(obj, torch.nn.Module) \
+                        and _same_keys(obj, trees[name]):
+                    continue  # every tensor was decoded into the module's own: nothing to load
                 obj.load_state_dict(trees[name])
+            elif resharded and load == "all":
+                states = {r: d["states"][name] for r, d in by_rank.items()
+                          if name in d.get("states", {})}
+                if states:
+                    obj.set_state(on_reshard(states, self.rank, self.world_size))
+                    notes.append(f"{name}: mapped from {len(states)} saved rank(s)")
             elif name in rng_doc.get("states", {}):
                 obj.set_state(rng_doc["states"][name])
-        if load == "all":
+        if load == "all" and resharded:
+            if self.rank in by_rank:
+                restore_rng(by_rank[self.rank]["rng"])
+            else:
+                lowest = by_rank[min(by_rank)]["rng"]
+                notes.append(f"rng: rank {self.rank} did not exist; reseeded "
+                             f"{reseed_rng(lowest, self.rank)}")
+        elif load == "all":
             restore_rng(rng_doc["rng"])
         for chain in self._ctx.chains.values():
             chain.reset()  # the live state no longer matches the staged base
@@ -485,3 +553,52 @@ class CheckpointManager:
             self._ctx.lossy.reset()  # nor the lossy chain's reconstruction
         if self._ctx.steps is not None:
             self._ctx.steps.add(m.step)
+        report = ResumeReport(exact=m.resume.exact and not resharded, resharded=resharded,
+                              saved_world_size=m.world_size, world_size=self.world_size,
+                              notes=tuple(notes))
+        if resharded:
+            log.warning("restored %s (saved by %d rank(s)) on %d rank(s): not an exact "
+                        "resume (%s)", m.version_id, m.world_size, self.world_size,
+                        "; ".join(notes) or "sharded state remapped")
+        return RestoreResult(m.step, report)
+
+
+def _same_keys(module: Any, tree: Any) -> bool:
+    """Whether a decoded module state has exactly the module's keys (what a strict
+    load_state_dict would check), so skipping the load skips no error."""
+    return isinstance(tree, dict) and set(tree) == set(module.state_dict())
+
+
+#: ``on_reshard(states_by_rank, new_rank, new_world) -> state``: a data-loader state for this
+#: rank from every saved rank's (restores on another world size)
+OnReshard = Callable[[dict[int, Any], int, int], Any]
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """How a restore continues the run."""
+
+    #: the run continues bit-identically (the version's ``resume.exact``, and no reshard)
+    exact: bool
+    #: the version was restored on another world size or mesh
+    resharded: bool = False
+    saved_world_size: int = 1
+    world_size: int = 1
+    #: what was remapped or reseeded instead of restored
+    notes: tuple[str, ...] = ()
+
+
+class RestoreResult(int):
+    """What ``restore()`` returns: the restored step (an ``int``, as before) carrying
+    ``resume``, a :class:`ResumeReport` (``result.resume.exact``)."""
+
+    resume: ResumeReport
+
+    def __new__(cls, step: int, resume: ResumeReport) -> RestoreResult:
+        obj = super().__new__(cls, step)
+        obj.resume = resume
+        return obj
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        """Pickled (``torch.save`` of a loop's state) as the plain step it is."""
+        return int, (int(self),)

@@ -7,12 +7,22 @@ and I/O overlap. Encoded bytes in flight are bounded by ``max_inflight_mib`` (ba
 the memory bound). Compression off: a plain ``.safetensors`` file streamed straight from the
 staging buffers. Either way the state tree's non-tensor skeleton travels in the blob's metadata,
 and the blob's xxhash64 goes into the manifest.
+
+Every byte the codec holds is taken from the manager's :class:`HostBudget` first (codec
+scratch and the encoded chunk until written: two chunks per chunk in flight; the store
+writer's buffers; a blob's header), so ``host_memory_mib`` is a hard cap and ``SaveResult``
+can report the peak. An item streamed under that budget (``StagedItem.stream``) has no
+staged copy: each chunk is copied out of the live tensor into a ring slot right before it is
+encoded (:class:`~mithril_async.pipeline.stager.StreamSnapshot`), and the blob is byte for
+byte what the staged path writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -28,10 +38,11 @@ from mithril_async.codec.container import BlockRef, MckpInfo, MckpWriter, Tensor
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
 from mithril_async.codec.state_dict import decode_tensors, read_info
-from mithril_async.config import CompressionConfig, PipelineConfig
+from mithril_async.config import CompressionConfig, PipelineConfig, check_host_memory
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.partial import read_partial
+from mithril_async.pipeline.stager import HostBudget, SlotLease, SlotRing, StreamedTensor
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.deferred import DeferredWriter
 
@@ -93,6 +104,10 @@ class StagedItem:
     tensors: dict[str, torch.Tensor]
     #: which of the item's staging buffer sets holds ``tensors`` (double-buffered chains)
     area_idx: int = 0
+    #: streamed under host_memory_mib: ``tensors`` are the live ones, copied out chunk by
+    #: chunk through ``ring`` (see StreamSnapshot); None: ``tensors`` are staged copies
+    stream: dict[str, StreamedTensor] | None = None
+    ring: SlotRing | None = None
 
     @property
     def nbytes(self) -> int:
@@ -114,15 +129,52 @@ class _Budget:
         return self.used == 0 or self.used + n <= self.limit
 
 
+def thread_scratch(chunk_bytes: int) -> int:
+    """Host memory one codec thread keeps between chunks (codec/chunk.py's transform
+    scratch, the rANS output buffer, a zstd context): about two chunks plus 2 MiB."""
+    return 2 * chunk_bytes + (2 << 20)
+
+
+#: what a store's blob writer may buffer (LocalStore coalesces writes up to 1 MiB); S3 adds
+#: its part buffers (SaveContext sets :attr:`BlobCodec.write_buffer_bytes`)
+WRITE_BUFFER_BYTES = 1 << 20
+
+
 class BlobCodec:
     """Turns staged items into blobs and back, as the config says."""
 
     def __init__(self, comp: CompressionConfig, pipe: PipelineConfig, pool: Executor) -> None:
+        check_host_memory(comp, pipe)
         self.comp = comp
         self.pipe = pipe
         self.pool = pool
         self.params = CodecParams(level=comp.level, byte_grouping=comp.byte_grouping,
                                   chunk_bytes=max(1, int(comp.chunk_mib * (1 << 20))))
+        #: the pipeline's account of the host memory it holds (host_memory_mib)
+        self.memory = HostBudget(None if pipe.host_memory_mib is None
+                                 else pipe.host_memory_mib << 20)
+        self.write_buffer_bytes = WRITE_BUFFER_BYTES
+        #: streamed saves encode on this many threads of their own (``lanes``), so the codec
+        #: threads' own buffers stay within the budget whatever the pool's size
+        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def threads(self) -> int:
+        return int(getattr(self.pool, "_max_workers", 1) or 1)
+
+    def lanes(self, n: int) -> concurrent.futures.ThreadPoolExecutor:
+        """The ``n`` codec threads of streamed saves (made again when ``n`` changes)."""
+        from mithril_async.pipeline.loop import lower_priority
+
+        if self._lanes is None or self._lanes._max_workers != n:
+            if self._lanes is not None:
+                self._lanes.shutdown(wait=False)
+            self._lanes = concurrent.futures.ThreadPoolExecutor(
+                n, "mithril-stream", initializer=lower_priority,
+                initargs=(self.pipe.background_nice,))
+            # the manager closes its pool, not ours: ours goes with the codec
+            weakref.finalize(self, self._lanes.shutdown, wait=False)
+        return self._lanes
 
     def params_for(self, nbytes: int) -> CodecParams:
         """The codec parameters for a blob of ``nbytes`` raw bytes.
@@ -147,6 +199,31 @@ class BlobCodec:
         window = max(4, 2 * threads) * params.chunk_bytes
         return min(self.pipe.max_inflight_mib << 20, window)
 
+    def deferred_limit(self, item: StagedItem) -> int:
+        """Bytes a blob writer holds while its key is still being agreed: one chunk when
+        streamed under a budget, else the encode window."""
+        params = self.params_for(item.nbytes)
+        return params.chunk_bytes if item.stream is not None else self.inflight_limit(params)
+
+    def admission(self, item: StagedItem) -> int:
+        """What a blob of ``item`` takes from the budget before its first chunk, and holds to
+        its end (an estimate before the header exists, exact in :meth:`write`): write buffers,
+        its first bytes while the version is agreed, the header twice (it and the writer's
+        copy), and one chunk in flight (two chunks: codec scratch, encoded block), so every
+        admitted blob can always make progress, whatever the others hold."""
+        params = self.params_for(item.nbytes)
+        header = 2 * (len(json.dumps(item.skeleton, separators=(",", ":"))) + 4096
+                      + 256 * sum(1 + t.numel() * t.element_size() // params.chunk_bytes
+                                  for t in item.tensors.values()))
+        floor = 2 * params.chunk_bytes if self.comp.enabled else 0
+        return self.write_buffer_bytes + self.deferred_limit(item) + header + floor
+
+    def write_reserve(self, item: StagedItem) -> int:
+        """The most host memory :meth:`write` takes from the budget for ``item`` besides its
+        source tensors: its admission plus two chunks per further chunk in flight."""
+        extra = 2 * self.inflight_limit(self.params_for(item.nbytes)) if self.comp.enabled else 0
+        return self.admission(item) + extra
+
     @property
     def model_ext(self) -> str:
         return "mckp" if self.comp.enabled else "safetensors"
@@ -167,14 +244,17 @@ class BlobCodec:
         budget (:class:`~mithril_async.storage.deferred.DeferredWriter`).
         """
         plan = plan or EncodePlan()
-        writer: BlobWriter = (store.open_writer(key) if isinstance(key, str) else DeferredWriter(
-            store, key, limit=self.inflight_limit(self.params_for(item.nbytes))))
+        writer: BlobWriter = (store.open_writer(key) if isinstance(key, str) else
+                              DeferredWriter(store, key, limit=self.deferred_limit(item)))
+        # what the writer may buffer, held from the budget while the blob is written
+        hold = self.write_buffer_bytes + (0 if isinstance(key, str)
+                                          else self.deferred_limit(item))
         try:
             if self.comp.enabled:
-                digest = await self._write_mckp(writer, item, step, plan)
+                digest = await self._write_mckp(writer, item, step, plan, hold)
                 fmt = "mckp"
             else:
-                digest = await self._write_safetensors(writer, item)
+                digest = await self._write_safetensors(writer, item, hold)
                 fmt = "safetensors"
             size = await writer.commit()
         except BaseException:
@@ -192,13 +272,26 @@ class BlobCodec:
             meta[REFS_KEY] = {name: r.to_json() for name, r in plan.refs.items()}
         return meta
 
-    async def _write_safetensors(self, writer: BlobWriter, item: StagedItem) -> str:
-        h = xxhash.xxh64()
+    async def _write_safetensors(self, writer: BlobWriter, item: StagedItem, hold: int) -> str:
         header = safetensors_header(item.tensors, self._metadata(item))
+        admit = hold + 2 * len(header)
+        await self.memory.acquire(admit, f"{item.name}: its blob header "
+                                  f"({len(header)} bytes) and write buffers")
+        try:
+            return await self._safetensors_body(writer, item, header)
+        finally:
+            self.memory.release(admit)
+
+    async def _safetensors_body(self, writer: BlobWriter, item: StagedItem,
+                                header: bytes) -> str:
+        h = xxhash.xxh64()
         h.update(header)
         await writer.write(header)
         loop = asyncio.get_running_loop()
         step = self.params.chunk_bytes
+        if item.stream is not None:
+            await self._stream_safetensors(writer, item, h)
+            return h.hexdigest()
         for t in item.tensors.values():
             view, _, _ = tensor_bytes(t)
             for off in range(0, view.size, step):
@@ -211,9 +304,29 @@ class BlobCodec:
                                          writer.write(piece))
         return h.hexdigest()
 
+    async def _stream_safetensors(self, writer: BlobWriter, item: StagedItem,
+                                  h: xxhash.xxh64) -> None:
+        """The tensor bytes of a streamed item, in file order, each piece copied out into a
+        ring slot, hashed and written before the slot is reused."""
+        assert item.stream is not None and item.ring is not None
+        loop = asyncio.get_running_loop()
+        step = min(self.params.chunk_bytes, item.ring.slot_bytes)
+        for name in item.tensors:
+            st = item.stream[name]
+            for off in range(0, st.nbytes, step):
+                n = min(step, st.nbytes - off)
+                lease = await item.ring.acquire(st.later)
+                try:
+                    pool = self._lanes or self.pool
+                    piece = (await loop.run_in_executor(pool, st.fetch, lease, off, n)).data
+                    await loop.run_in_executor(pool, h.update, piece)
+                    await writer.write(piece)
+                finally:
+                    lease.release()
+
     async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int,
-                          plan: EncodePlan) -> str:
-        views: list[U8] = []
+                          plan: EncodePlan, hold: int) -> str:
+        views: list[U8 | StreamedTensor] = []
         bases: list[U8 | None] = []
         entries: list[TensorEntry] = []
         jobs: list[tuple[int, int, int, int]] = []
@@ -222,7 +335,12 @@ class BlobCodec:
             if name in plan.refs:
                 continue
             ti = len(entries)
-            view, dtype_name, shape = tensor_bytes(t, where=name)
+            view: U8 | StreamedTensor
+            if item.stream is not None:  # copied out chunk by chunk as it is encoded
+                view = item.stream[name]
+                dtype_name, shape = view.dtype, view.shape
+            else:
+                view, dtype_name, shape = tensor_bytes(t, where=name)
             base = plan.base_views.get(name)
             base_hash = None if base is None else xxhash.xxh64_intdigest(base.data)
             entry = TensorEntry.make(name, dtype_name, shape, params.chunk_bytes, base_hash)
@@ -230,60 +348,131 @@ class BlobCodec:
             bases.append(base)
             entries.append(entry)
             jobs.extend((ti, ci, off, n) for ci, (off, n) in enumerate(entry.chunks))
+        if item.stream is not None:  # what save() waits for is copied out first
+            jobs.sort(key=lambda j: _later(views[j[0]]))
         mckp = MckpWriter(entries, params=params, training_step=step,
                           previous_checkpoint_hash=plan.base.xxh64 if plan.base_views and
                           plan.base else None, metadata=self._metadata(item, plan))
-        await writer.write(mckp.begin())
-        await self._run_chunks(jobs, views, bases, entries, params,
-                               lambda ti, ci, enc: writer.write(mckp.add(ti, ci, enc)))
-        await writer.write(mckp.finish())
+        head = mckp.begin()
+        # admitted as a whole (header and its copy in the writer, index, write buffers, one
+        # chunk in flight), so no blob ever waits for budget while holding part of it
+        floor = 2 * params.chunk_bytes if self.memory.limit is not None else 0
+        admit = hold + 2 * len(head) + 64 * len(jobs) + floor
+        await self.memory.acquire(admit, f"{item.name}: its blob header ({len(head)} bytes: "
+                                  "the state's non-tensor values and tensor index), write "
+                                  "buffers and one chunk in flight")
+        try:
+            await writer.write(head)
+            del head
+            extra = {"floor": floor} if floor else {}
+            await self._run_chunks(jobs, views, bases, entries, params,
+                                   lambda ti, ci, enc: writer.write(mckp.add(ti, ci, enc)),
+                                   **extra)
+            await writer.write(mckp.finish())
+        finally:
+            self.memory.release(admit)
         return f"{mckp.xxh64:016x}"
 
     async def _run_chunks(
         self,
         jobs: list[tuple[int, int, int, int]],
-        views: list[U8],
+        views: list[U8 | StreamedTensor],
         bases: list[U8 | None],
         entries: list[TensorEntry],
         params: CodecParams,
         sink: Callable[[int, int, EncodedChunk], Awaitable[None]],
+        *,
+        floor: int = 0,
     ) -> None:
-        """Encode chunks on the pool, at most ``max_inflight_mib`` of them in flight."""
+        """Encode chunks on the pool, at most ``max_inflight_mib`` of them in flight.
+
+        Each chunk in flight holds two chunks of the host budget (codec scratch, then its
+        encoded block) until written; a streamed tensor's chunk also holds a ring slot from
+        its copy-out until it is encoded. ``floor``: budget this blob already holds for one
+        chunk in flight; further chunks take budget only if it is free now, else this blob
+        writes its own finished chunks first. So a blob never waits for budget that other
+        blobs hold while holding some itself: blobs sharing a budget cannot deadlock."""
         loop = asyncio.get_running_loop()
         budget = _Budget(self.inflight_limit(params))
-        pending: set[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = set()
+        memory = self.memory
+        held = 0  # budget this call took beyond the floor (released whatever happens)
+        floor_free = floor
+        pending: dict[asyncio.Future[tuple[int, int, int, EncodedChunk]],
+                      tuple[concurrent.futures.Future[Any], SlotLease | None, bool]] = {}
         # finished encodes arrive here in completion order (asyncio.wait over the whole
         # pending set per drained chunk would cost O(chunks^2) callback bookkeeping)
         finished: asyncio.Queue[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = (
             asyncio.Queue())
 
-        def encode(ti: int, ci: int, off: int, n: int) -> tuple[int, int, int, EncodedChunk]:
-            src = views[ti][off:off + n]
-            base = bases[ti]
-            return ti, ci, n, encode_chunk(src, entries[ti].dtype,
-                                           None if base is None else base[off:off + n],
-                                           params)
+        def encode(ti: int, ci: int, off: int, n: int, lease: SlotLease | None
+                   ) -> tuple[int, int, int, EncodedChunk]:
+            view = views[ti]
+            try:
+                if isinstance(view, StreamedTensor):
+                    assert lease is not None
+                    src = view.fetch(lease, off, n)
+                else:
+                    src = view[off:off + n]
+                base = bases[ti]
+                enc = encode_chunk(src, entries[ti].dtype,
+                                   None if base is None else base[off:off + n], params)
+                if lease is not None:  # a plane stored raw may be a view of the slot
+                    enc = EncodedChunk(enc.meta, tuple(
+                        p.tobytes() if isinstance(p, np.ndarray) else p for p in enc.parts))
+                return ti, ci, n, enc
+            finally:
+                if lease is not None:  # encoded: the slot may take the next chunk
+                    lease.release()
 
-        async def drain_one() -> None:
+        async def drain_one() -> bool:
+            nonlocal held, floor_free
+            if not pending:
+                return False
             fut = await finished.get()
-            pending.discard(fut)
+            _, _, from_floor = pending.pop(fut)
             ti, ci, n, enc = fut.result()
             await sink(ti, ci, enc)
             budget.used -= n
+            if from_floor:
+                floor_free += 2 * n
+            else:
+                memory.release(2 * n)
+                held -= 2 * n
+            return True
 
         try:
             for ti, ci, off, n in jobs:
                 while not budget.fits(n):
                     await drain_one()
+                while True:  # two chunks of budget: the floor, free budget, or our own drain
+                    from_floor = floor_free >= 2 * n
+                    if from_floor:
+                        floor_free -= 2 * n
+                        break
+                    if memory.try_take(2 * n):
+                        held += 2 * n
+                        break
+                    if not await drain_one():  # nothing of ours in flight, no floor
+                        await memory.acquire(2 * n, f"a chunk of {entries[ti].name!r}")
+                        held += 2 * n
+                        break
                 budget.used += n
-                fut = loop.run_in_executor(self.pool, encode, ti, ci, off, n)
+                view = views[ti]
+                lease = (await view.snap.ring.acquire(view.later)
+                         if isinstance(view, StreamedTensor) else None)
+                cf = (self._lanes or self.pool).submit(encode, ti, ci, off, n, lease) \
+                    if lease is not None else self.pool.submit(encode, ti, ci, off, n, lease)
+                fut = asyncio.wrap_future(cf, loop=loop)
                 fut.add_done_callback(finished.put_nowait)
-                pending.add(fut)
+                pending[fut] = (cf, lease, from_floor)
             while pending:
                 await drain_one()
         finally:
-            for fut in pending:
+            for fut, (cf, lease, _) in pending.items():
+                if cf.cancel() and lease is not None:  # never started: its slot is free
+                    lease.release()
                 fut.cancel()
+            memory.release(held)
 
     # ------------------------------------------------------------------ read
     async def read(self, store: Store, ref: BlobRef, load_blob: LoadBlob | None = None,
@@ -441,6 +630,10 @@ class _Opened:
     verify_blocks: bool
     #: tensors the blob only references, by name
     refs: dict[str, TensorRef]
+
+
+def _later(view: U8 | StreamedTensor) -> bool:
+    return isinstance(view, StreamedTensor) and view.later
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -29,9 +29,16 @@ from typing import Any
 
 import torch
 
-from mithril_async.errors import SnapshotTorn
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.pipeline.stager import Job, await_event, copy_jobs, default_copy_threads
+from mithril_async.pipeline.stager import (
+    Job,
+    StreamSnapshot,
+    await_event,
+    copy_jobs,
+    default_copy_threads,
+    torn,
+    torn_error,
+)
 
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -47,20 +54,6 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 def order_after(event: Any) -> None:
     """Make the current CUDA stream wait for ``event`` (on the device: no CPU wait)."""
     torch.cuda.current_stream().wait_event(event)
-
-
-def _torn(watch: list[tuple[str, torch.Tensor, int]]) -> list[str]:
-    return [name for name, src, version in watch if src._version != version]
-
-
-def _torn_error(changed: list[str]) -> SnapshotTorn:
-    shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
-                                       if len(changed) > 5 else "")
-    return SnapshotTorn(
-        f"{len(changed)} tensor(s) changed in place while their overlapped snapshot "
-        f"was being copied: {shown}; with snapshot = \"overlapped\" only a hooked "
-        "optimizer.step() may change the state between save() and the copy's end "
-        "(use snapshot = \"blocking\" otherwise)")
 
 
 class OverlapCopy:
@@ -97,14 +90,14 @@ class OverlapCopy:
 
     def _run(self) -> None:
         copy_jobs(self.jobs, self.threads)
-        changed = _torn(self.watch)
+        changed = torn(self.watch)
         if changed:
-            raise _torn_error(changed)
+            raise torn_error(changed)
 
     def _check_device(self) -> list[str]:
         with self._lock:
             if self._device_torn is None:
-                self._device_torn = _torn(self.device_watch)
+                self._device_torn = torn(self.device_watch)
             return self._device_torn
 
     def _wait_cpu(self) -> float:
@@ -143,7 +136,36 @@ class OverlapCopy:
             await await_event(ev, poll_s)
         changed = self._check_device()
         if changed:
-            raise _torn_error(changed)
+            raise torn_error(changed)
+
+
+class StreamCopy:
+    """An overlapped snapshot under ``host_memory_mib``: the optimizer-owned tensors are
+    copied out by the encoder through the slot ring while forward/backward run (see
+    :class:`~mithril_async.pipeline.stager.StreamSnapshot`). The step pre-hook waits only
+    for what has not been copied out yet; the version check runs before that wait ends."""
+
+    def __init__(self, stream: StreamSnapshot) -> None:
+        self.stream = stream
+        self.result: SaveResult | None = None
+
+    def _wait(self) -> float:
+        if self.stream.all_done.done():
+            return 0.0
+        t0 = time.perf_counter()
+        concurrent.futures.wait([self.stream.all_done])
+        waited = time.perf_counter() - t0
+        if self.result is not None:
+            self.result.step_wait_s += waited
+        return waited
+
+    def before_step(self) -> float:
+        """Before ``optimizer.step()``: wait until the optimizer's tensors are copied out
+        (their device copies have completed too: each slot's event is waited on)."""
+        return self._wait()
+
+    def wait_blocking(self) -> float:
+        return self._wait()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -175,7 +197,7 @@ class StepGuard:
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
-        self.pending: OverlapCopy | None = None
+        self.pending: OverlapCopy | StreamCopy | None = None
         self.copy_threads = default_copy_threads()
         self._handles = [opt.register_step_pre_hook(self._before_step)
                          for opt in self.optimizers]

@@ -26,6 +26,12 @@ class SaveResult:
     bytes_in: int = 0
     bytes_out: int = 0
     error: str | None = None
+    #: the most host memory the pipeline held during this save, by its own account
+    #: (staging buffers or slot ring, codec scratch and encoded chunks until written, write
+    #: buffers); never above ``[checkpointing.pipeline] host_memory_mib`` when that is set
+    host_peak_bytes: int = 0
+    #: the state did not fit the budget staged and streamed through the slot ring (a keyframe)
+    streamed: bool = False
 
     @property
     def ratio(self) -> float:

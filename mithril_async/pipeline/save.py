@@ -23,6 +23,19 @@ Protocol (every rank runs it on its background loop):
    learns the outcome; a failed or cancelled save deletes what it wrote (unless its claim was
    lost: the folder may be another writer's now) and never touches the last committed version.
 
+Under ``[checkpointing.pipeline] host_memory_mib`` every save is accounted against the
+budget (``SaveResult.host_peak_bytes``). A state whose staged path (staging buffers, 2x with
+delta chains, plus the encode window) fits goes that path unchanged. Otherwise the snapshot
+*streams* (:meth:`SaveJob.snapshot` -> :class:`~mithril_async.pipeline.stager.StreamSnapshot`):
+the staging buffers are freed, the live tensors are copied out chunk by chunk through a ring
+of reused slots by the encoder, and ``save()`` waits (:meth:`SaveJob.wait_consumed`) until
+every chunk it must not change has been copied out: all of them with ``snapshot =
+"blocking"``; with ``"overlapped"`` all but the optimizer-owned ones, whose remaining
+copy-out the step pre-hook waits for (:class:`~mithril_async.pipeline.overlap.StreamCopy`).
+A streamed save is a keyframe: holding a delta base whole is what the budget rules out, and
+reading base chunks back from the store would cost a read (and a decode) of every chunk of
+the base per save; the chains restart once the budget allows staging again.
+
 Other processes may share the run (a second writer, ``mithril gc``): a delta's base could be
 deleted by their retention. The claim names the bases this save reads (retention keeps them
 while the claim is live), each blob re-checks its bases after it is written (gone: the blob is
@@ -41,17 +54,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xxhash
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.claims import Claim, heartbeat_interval
 from mithril_async.config import Config
-from mithril_async.errors import ClaimLost, DistributedError, KeyNotFound, MissingPrevious
+from mithril_async.distributed import pieces_of
+from mithril_async.errors import (
+    ClaimLost,
+    DistributedError,
+    HostMemoryExceeded,
+    KeyNotFound,
+    MissingPrevious,
+)
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import (
     BaseRef,
     BlobRef,
     OptimizerEntry,
+    PieceMeta,
     RankKey,
     ResumeInfo,
     RngEntry,
@@ -62,7 +84,7 @@ from mithril_async.manifest import (
     utcnow,
     version_id,
 )
-from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
+from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem, thread_scratch
 from mithril_async.pipeline.chain import (
     ChainPolicy,
     ItemChain,
@@ -73,9 +95,16 @@ from mithril_async.pipeline.chain import (
 from mithril_async.pipeline.coordinator import Coordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.lossy import LossyTrack, Roles, lossy_roles, write_lossy
-from mithril_async.pipeline.overlap import OverlapCopy, StepGuard
+from mithril_async.pipeline.overlap import OverlapCopy, StepGuard, StreamCopy
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.pipeline.stager import Snapshot
+from mithril_async.pipeline.stager import (
+    PLAIN_TYPES,
+    HostBudget,
+    SlotRing,
+    Snapshot,
+    StreamSnapshot,
+    mib,
+)
 from mithril_async.retention import Policy, apply_retention
 from mithril_async.state import Stateful, capture_rng, flatten_state
 from mithril_async.storage.base import Store
@@ -114,6 +143,18 @@ class SaveContext:
     #: the run's config/train.toml as recorded by every manifest (written once per run)
     config_ref: BlobRef | None = None
     lossy_idle_warned: bool = False
+    #: the slot ring of streamed saves (host_memory_mib), reused while its size fits
+    ring: SlotRing | None = None
+
+    def __post_init__(self) -> None:
+        remote = self.config.checkpointing.remote
+        if remote is not None:  # an S3 upload buffers parts (storage/s3/writer.py)
+            self.codec.write_buffer_bytes += (remote.max_concurrency + 2) * (
+                remote.part_mib << 20)
+
+    @property
+    def memory(self) -> HostBudget:
+        return self.codec.memory
 
     @property
     def rank(self) -> int:
@@ -162,8 +203,16 @@ class SaveJob:
         self._json_states: dict[str, Any] = {}
         self._rng: dict[str, Any] = {}
         self._roles: Roles = {}
+        #: per item: where each tensor sits in its global tensor (sharded state; issue 25)
+        self._pieces: dict[str, dict[str, PieceMeta]] = {}
         #: snapshot = "overlapped": the copy still running after save() returned
         self.overlap: OverlapCopy | None = None
+        #: streamed under host_memory_mib: the live tensors the encoder copies out
+        self.stream: StreamSnapshot | None = None
+        #: host bytes of tensors that had to be copied whole to be streamed (non-contiguous)
+        self._materialized = 0
+        #: streamed with snapshot = "overlapped": what the step pre-hook waits on
+        self._stream_copy: StreamCopy | None = None
         #: rank 0's own commit error, raised as itself when this process is the only rank
         self._commit_error: Exception | None = None
         #: rank 0: the version's claim, and the task renewing its heartbeat while the save runs
@@ -177,22 +226,159 @@ class SaveJob:
 
         ``defer``: addresses of tensors an overlapped snapshot copies after ``save()``
         returns, on ``guard``'s copy threads. Returns the snapshots whose device copies the
-        caller must wait for before the state may change."""
+        caller must wait for before the state may change. Under ``host_memory_mib``, a state
+        whose staged copy does not fit is streamed instead (nothing is copied here; the
+        caller then waits in :meth:`wait_consumed`)."""
         ctx = self.ctx
+        flat: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
         for name, obj in ctx.state.items():
             if isinstance(obj, Stateful):
-                skeleton, tensors = flatten_state(obj.state_dict())
+                flat[name] = flatten_state(obj.state_dict())
+                self._pieces[name] = pieces_of(obj, flat[name][1])  # shard metadata (issue 25)
+            else:
+                self._json_states[name] = obj.get_state()
+        ctx.memory.reset_peak()
+        if self._staged_fits(flat):
+            if ctx.ring is not None:  # the budget allows staging again: the ring goes
+                ctx.ring = None
+                ctx.memory.set_fixed("ring", 0)
+            for name, (skeleton, tensors) in flat.items():
                 chain = ctx.chain(name)
                 self._areas[name] = chain.write_idx
                 self.snaps[name] = chain.areas[chain.write_idx].snapshot(tensors, defer)
                 self._skeletons[name] = skeleton
-            else:
-                self._json_states[name] = obj.get_state()
+            ctx.memory.set_fixed("staging", sum(a.nbytes for c in ctx.chains.values()
+                                                for a in c.areas))
+            ctx.memory.set_fixed("codec", ctx.codec.threads
+                                 * thread_scratch(ctx.codec.params.chunk_bytes))
+        else:
+            self._stream_snapshot(flat, defer, guard)
         self._roles = lossy_roles(ctx.state) if ctx.lossy is not None else {}
         self._rng = capture_rng()
-        if guard is not None:
+        if guard is not None and self.stream is None:
             self.overlap = self._start_overlap(guard)
         return list(self.snaps.values())
+
+    def _staged_fits(self, flat: dict[str, tuple[Any, dict[str, torch.Tensor]]]) -> bool:
+        """Whether today's staged path fits the budget: staging buffers (one set, two with
+        delta chains) plus what each blob's encoding may hold at once."""
+        limit = self.ctx.memory.limit
+        if limit is None:
+            return True
+        sets = 2 if self.ctx.chain_policy.double_buffer else 1
+        codec = self.ctx.codec
+        need = codec.threads * thread_scratch(codec.params.chunk_bytes)
+        for name, (skeleton, tensors) in flat.items():
+            item = StagedItem(name, skeleton, tensors)
+            need += sets * item.nbytes + self.ctx.codec.write_reserve(item)
+        return need <= limit
+
+    def _stream_snapshot(self, flat: dict[str, tuple[Any, dict[str, torch.Tensor]]],
+                         defer: frozenset[int], guard: StepGuard | None) -> None:
+        """Hand the live tensors to the encoder through the slot ring (see module doc)."""
+        ctx, memory = self.ctx, self.ctx.memory
+        limit = memory.limit
+        assert limit is not None
+        if ctx.lossy is not None:
+            raise HostMemoryExceeded(
+                "[checkpointing.lossy] keeps a reconstruction of the state's weights and "
+                "moments in host memory, more than host_memory_mib = "
+                f"{mib(limit)} allows for this state; nothing was saved")
+        for chain in ctx.chains.values():  # no staged copy, no delta base held
+            chain.release()
+            chain.reset()
+        memory.set_fixed("staging", 0)
+        admissions = {name: ctx.codec.admission(StagedItem(name, skel, tensors, stream={}))
+                      for name, (skel, tensors) in flat.items()}  # (stream: as streamed)
+        ring = self._ring(max(admissions.values(), default=0))
+        for name, need in admissions.items():  # what cannot be split must fit at once
+            if need > limit - memory.fixed:
+                raise HostMemoryExceeded(_too_big(name, flat[name][0], need, limit,
+                                                  memory.fixed))
+        for name, value in self._json_states.items():
+            size = len(json.dumps(value, default=str))
+            if size > limit - memory.fixed:
+                raise HostMemoryExceeded(
+                    f"the state of {name!r} (get_state(), {mib(size)} as JSON) cannot be "
+                    f"split and exceeds host_memory_mib = {mib(limit)}; nothing was saved")
+        res_holder = self
+
+        def on_now() -> None:  # the caller may go on: its stall ends here
+            if res_holder.result is not None:
+                res_holder.result.stall_s = time.perf_counter() - res_holder.t0
+
+        stream = StreamSnapshot(ring, on_now)
+        try:
+            for name, (skeleton, tensors) in flat.items():
+                ctx.chain(name)
+                self._areas[name] = 0
+                self._skeletons[name] = skeleton
+                if self._whole_model(name) and ctx.rank != 0:
+                    continue  # rank 0 alone writes it
+                for tname, src in tensors.items():
+                    t = self._streamable(f"{name}/{tname}", src)
+                    later = bool(t.numel()) and t.data_ptr() in defer
+                    stream.add(name, tname, t, later)
+        except BaseException:
+            memory.release(self._materialized)
+            self._materialized = 0
+            raise
+        stream.start()
+        self.stream = stream
+        if guard is not None and stream.later_left:
+            self._stream_copy = guard.pending = StreamCopy(stream)
+
+    def _ring(self, admission: int) -> SlotRing:
+        """The slot ring and codec lanes for this budget. A lane is one chunk in flight: its
+        ring slot, its two chunks of budget (encoding, encoded block) and a codec thread's
+        own buffers; as many lanes as the codec has threads, if the budget leaves room beside
+        one blob's admission."""
+        ctx = self.ctx
+        limit = ctx.memory.limit
+        assert limit is not None
+        chunk = ctx.codec.params.chunk_bytes
+        scratch = thread_scratch(chunk)
+        lanes = max(1, min(ctx.codec.threads, (limit - admission) // (3 * chunk + scratch)))
+        ctx.codec.lanes(lanes)
+        ctx.memory.set_fixed("codec", lanes * scratch)
+        pin = torch.cuda.is_available()
+        ring = ctx.ring
+        if ring is None or len(ring.buffers) != lanes or ring.slot_bytes != chunk \
+                or ring.pinned != pin:
+            ctx.ring = None
+            ctx.memory.set_fixed("ring", 0)
+            ring = ctx.ring = SlotRing(lanes, chunk, pin)
+            ctx.memory.set_fixed("ring", ring.nbytes)
+        return ring
+
+    def _streamable(self, where: str, src: torch.Tensor) -> torch.Tensor:
+        """A plain contiguous tensor with ``src``'s values, streamed chunk by chunk: ``src``
+        itself (a DTensor's local shard) when it is one, else a whole copy, which on the
+        host must fit the budget at once."""
+        t = src.detach()
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            t = local.detach()
+        if type(t) in PLAIN_TYPES and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg():
+            return t
+        n = t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            self.ctx.memory.take(n, f"tensor {where!r} (not contiguous: copied whole "
+                                    "before it is streamed)")
+            self._materialized += n
+        return t.resolve_conj().resolve_neg().contiguous().as_subclass(torch.Tensor)
+
+    def wait_consumed(self) -> None:
+        """Streamed: block until the chunks the caller must not change have been copied out
+        (all of them; with an overlapped snapshot all but the optimizer's). Else at once."""
+        if self.stream is not None:
+            concurrent.futures.wait([self.stream.now_done])
+
+    async def consumed(self) -> None:
+        """:meth:`wait_consumed` for an async caller."""
+        if self.stream is not None:
+            await asyncio.wrap_future(self.stream.now_done)
 
     def _start_overlap(self, guard: StepGuard) -> OverlapCopy | None:
         """Start the background copy of every item's deferred tensors (one thread job)."""
@@ -213,8 +399,11 @@ class SaveJob:
 
     def begin(self, metrics: Mapping[str, Any] | None, waited: float) -> SaveResult:
         """The snapshot is consistent: make the save's result (the stall ends here)."""
-        res = SaveResult(self.step, stall_s=time.perf_counter() - self.t0, waited_s=waited)
+        res = SaveResult(self.step, stall_s=time.perf_counter() - self.t0, waited_s=waited,
+                         streamed=self.stream is not None)
         self.result = res
+        if self._stream_copy is not None:
+            self._stream_copy.result = res
         self._metrics = dict(metrics or {})
         if self.overlap is not None:
             self.overlap.result = res
@@ -226,6 +415,12 @@ class SaveJob:
         try:
             return await self._run()
         finally:
+            if self.stream is not None:  # never leave the caller or a step waiting
+                self.stream.close()
+            self.ctx.memory.release(self._materialized)
+            self._materialized = 0
+            if self.result is not None:
+                self.result.host_peak_bytes = self.ctx.memory.peak
             if self._heartbeat is not None:
                 self._heartbeat.cancel()
             if self.ctx.lossy is not None:
@@ -319,6 +514,7 @@ class SaveJob:
             await self._after_commit(manifest, outcome.manifest_key or "")
         res.status = "committed"
         res.total_s = time.perf_counter() - self.t0
+        res.host_peak_bytes = ctx.memory.peak
         ctx.history.append(res)
         log.info("%s", res.line())
         if ctx.on_save is not None:
@@ -342,6 +538,12 @@ class SaveJob:
         loop = asyncio.get_running_loop()
         items = [StagedItem(name, self._skeletons[name], snap.tensors, self._areas[name])
                  for name, snap in self.snaps.items()]
+        if self.stream is not None:  # the live tensors, copied out as they are encoded
+            stream = self.stream
+            items = [StagedItem(name, self._skeletons[name],
+                                {n: t.src for n, t in stream.tensors.get(name, {}).items()},
+                                0, stream.tensors.get(name, {}), stream.ring)
+                     for name in self._skeletons]
 
         async def agreed() -> int:  # shielded: a failed write must not cancel the agreement
             return await asyncio.shield(number)
@@ -358,7 +560,8 @@ class SaveJob:
         async def write_item(item: StagedItem) -> tuple[StagedItem, BlobRef] | None:
             chain = ctx.chains[item.name]
             plan, hashes = (await loop.run_in_executor(ctx.pool, plan_item, chain, item.tensors)
-                            if ctx.chain_policy.double_buffer else (EncodePlan(), {}))
+                            if ctx.chain_policy.double_buffer and item.stream is None
+                            else (EncodePlan(), {}))
             if self._whole_model(item.name) and ctx.rank != 0:
                 return None
             key = asyncio.ensure_future(key_of(item.name))
@@ -374,7 +577,8 @@ class SaveJob:
                 plan, hashes = await loop.run_in_executor(ctx.pool, plan_item, chain,
                                                           item.tensors)
                 ref = await ctx.codec.write(ctx.store, ref.key, item, step=res.step, plan=plan)
-            updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
+            if item.stream is None:  # a streamed keyframe leaves no base behind
+                updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
             return item, ref
 
         part.exact = all(not isinstance(s, dict) or s.get("exact", True) is not False
@@ -401,7 +605,10 @@ class SaveJob:
             if self._whole_model(item.name) and ctx.rank == 0:
                 part.model = ref
             else:
-                part.shards[item.name] = ShardRef(rank=ctx.rank, **ref.model_dump())
+                pieces = {n: p for n, p in self._pieces.get(item.name, {}).items()
+                          if n in item.tensors}  # issue 25: shard metadata hook
+                part.shards[item.name] = ShardRef(rank=ctx.rank, pieces=pieces,
+                                                  **ref.model_dump())
         res.bytes_in += part.bytes_in
         res.bytes_out += part.bytes_out
         return part
@@ -577,3 +784,32 @@ class SaveJob:
         except Exception as err:  # the version is committed; leftovers are cleaned at start
             log.warning("retention after %s failed (will retry after the next save): %r",
                         manifest.version_id, err)
+
+
+def _too_big(item: str, skeleton: Any, need: int, limit: int, fixed: int) -> str:
+    """The message for an item whose unsplittable part (its non-tensor values, which travel
+    in the blob header) does not fit the budget: it names the biggest such value."""
+    path, size = _largest_value(skeleton, item)
+    return (f"saving {item!r} needs {mib(need)} of host memory at once, mostly its non-tensor "
+            f"values; the largest is {path!r} ({mib(size)} as JSON), which cannot be split; "
+            f"host_memory_mib = {mib(limit)} leaves {mib(limit - fixed)} beside the "
+            f"{mib(fixed)} of slot ring and codec buffers; nothing was saved")
+
+
+def _largest_value(node: Any, path: str) -> tuple[str, int]:
+    """Descend into the child holding most of ``node``'s JSON while one does."""
+    size = len(json.dumps(node, separators=(",", ":")))
+    children: list[tuple[str, Any]] = []
+    if isinstance(node, dict) and isinstance(node.get("D"), list):
+        children = [(f"{path}/{k if isinstance(k, str) else json.dumps(k)}", v)
+                    for k, v in (kv for kv in node["D"] if isinstance(kv, list) and len(kv) == 2)]
+    elif isinstance(node, dict):
+        children = [(path, v) for v in node.values()]
+    elif isinstance(node, list):
+        children = [(f"{path}/{i}", v) for i, v in enumerate(node)]
+    if children:
+        sizes = [(len(json.dumps(v, separators=(",", ":"))), p, v) for p, v in children]
+        best = max(sizes, key=lambda x: x[0])
+        if best[0] * 2 > size:
+            return _largest_value(best[2], best[1])
+    return path, size

@@ -17,20 +17,34 @@ copies of the named CPU tensors are not run here but returned as jobs, together 
 source's version counter, for a background copy that overlaps the next forward/backward. Named
 CUDA tensors are copied on the side stream after the others, behind an event of their own
 (``later_event``), which the optimizer's stream waits for before it steps.
+
+Under ``[checkpointing.pipeline] host_memory_mib`` (:class:`HostBudget`, the pipeline's own
+account of the host memory it holds) a state whose staged copy would not fit is not staged:
+:class:`StreamSnapshot` hands the live tensors to the encoder, which copies them chunk by chunk
+into a :class:`SlotRing` of reused buffers (pinned on CUDA, device-to-host on a side stream
+with an event per slot), encodes and writes each chunk, and only then reuses its slot. The
+caller waits until every chunk it must not change has been copied out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
+import threading
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from mithril_async.codec import kernels as K
+from mithril_async.errors import HostMemoryExceeded, SnapshotTorn
 
 #: CPU tensors at least this big are staged with non-temporal stores (smaller: memcpy).  The
 #: staging buffers of a whole state rarely fit the cache, so streaming pays from 64 KiB on
@@ -96,7 +110,7 @@ def copy_jobs(jobs: list[Job], threads: int) -> None:
         fut.result()
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _byte_copyable(buf: torch.Tensor, src: torch.Tensor) -> bool:
@@ -242,3 +256,345 @@ class StagingArea:
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+
+# ---------------------------------------------------------------- the host-memory budget
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class HostBudget:
+    """The pipeline's own account of the host memory it holds, against ``host_memory_mib``.
+
+    *Fixed* holdings live across saves (staging buffers, the slot ring: :meth:`set_fixed`);
+    *dynamic* ones are taken and released by a save (codec scratch and encoded chunks until
+    written, write buffers: :meth:`acquire` / :meth:`release`). With a limit, an
+    acquisition waits until it fits (back-pressure, never a silent overrun), and one that can
+    never fit raises :class:`HostMemoryExceeded`. ``peak`` is the most held since
+    :meth:`reset_peak` (each save reports it). Without a limit nothing waits: the account is
+    only kept. Releases may come from any thread; waiters live on one event loop.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._fixed: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def fixed(self) -> int:
+        return sum(self._fixed.values())
+
+    def _add(self, n: int) -> None:
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
+    def set_fixed(self, what: str, n: int) -> None:
+        """Record a long-lived holding (``what``: "staging", "ring") at ``n`` bytes."""
+        with self._lock:
+            self._add(n - self._fixed.get(what, 0))
+            self._fixed[what] = n
+        self._wake()
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.held
+
+    def try_take(self, n: int) -> bool:
+        with self._lock:
+            if self.limit is not None and self.held + n > self.limit and n > 0:
+                return False
+            self._add(n)
+            return True
+
+    def take(self, n: int, what: str) -> None:
+        """Take ``n`` bytes now or raise :class:`HostMemoryExceeded` naming ``what``."""
+        if not self.try_take(n):
+            raise HostMemoryExceeded(
+                f"{what} needs {mib(n)} of host memory at once; host_memory_mib = "
+                f"{mib(self.limit or 0)} leaves {mib((self.limit or 0) - self.held)}")
+
+    async def acquire(self, n: int, what: str,
+                      drain: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Take ``n`` bytes, waiting for releases; ``drain`` (if given) is awaited first to
+        free what the caller itself holds (it returns False once it has nothing to free)."""
+        if self.limit is not None and n > self.limit - self.fixed:
+            raise HostMemoryExceeded(
+                f"{what} needs {mib(n)} of host memory at once; host_memory_mib = "
+                f"{mib(self.limit)}, of which {mib(self.fixed)} are staging buffers")
+        while not self.try_take(n):
+            if drain is not None and await drain():
+                continue
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            with self._lock:
+                self._waiters.append(fut)
+            if self.try_take(n):  # a release between the check and the registration
+                fut.cancel()
+                return
+            await fut
+
+    def release(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.held -= n
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class SlotRing:
+    """``slots`` reused host buffers of ``slot_bytes`` each (pinned for device copies).
+
+    :meth:`acquire` hands out a free slot, serving ``now`` requests (tensors the caller waits
+    for) before ``later`` ones (an overlapped snapshot's optimizer tensors). Each slot has a
+    CUDA event (made on first use) that its device-to-host copy records. Acquisitions happen
+    on the event loop; a :class:`SlotLease` may be released from any thread.
+    """
+
+    def __init__(self, slots: int, slot_bytes: int, pin: bool = False) -> None:
+        self.slot_bytes = slot_bytes
+        self.pinned = pin
+        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin)
+                        for _ in range(slots)]
+        self.arrays = [b.numpy() for b in self.buffers]
+        self.events: list[Any] = [None] * slots
+        self._free: deque[int] = deque(range(slots))
+        self._waiting: tuple[deque[asyncio.Future[int]], deque[asyncio.Future[int]]] = (
+            deque(), deque())
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * len(self.buffers)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    async def acquire(self, later: bool = False) -> SlotLease:
+        with self._lock:
+            if self._free and not self._waiting[0] and (later is False
+                                                        or not self._waiting[1]):
+                return SlotLease(self, self._free.popleft())
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._waiting[int(later)].append(fut)
+        try:
+            return SlotLease(self, await fut)
+        except asyncio.CancelledError:
+            with self._lock:
+                if fut in self._waiting[int(later)]:
+                    self._waiting[int(later)].remove(fut)
+                elif fut.done() and not fut.cancelled():  # granted as we were cancelled
+                    self._give(fut.result())
+            raise
+
+    def _give(self, slot: int) -> None:
+        with self._lock:
+            for queue in self._waiting:
+                while queue:
+                    fut = queue.popleft()
+                    if not fut.done():
+                        fut.get_loop().call_soon_threadsafe(_grant, fut, slot, self)
+                        return
+            self._free.append(slot)
+
+
+def _grant(fut: asyncio.Future[int], slot: int, ring: SlotRing) -> None:
+    if fut.done():  # cancelled meanwhile: the slot goes to the next waiter
+        ring._give(slot)
+    else:
+        fut.set_result(slot)
+
+
+class SlotLease:
+    """One acquired slot; :meth:`release` (idempotent, any thread) gives it back."""
+
+    def __init__(self, ring: SlotRing, index: int) -> None:
+        self.ring, self.index = ring, index
+        self._lock = threading.Lock()
+        self._held = True
+
+    @property
+    def array(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.ring.arrays[self.index]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.ring.buffers[self.index]
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self.ring._give(self.index)
+
+
+@dataclass
+class StreamedTensor:
+    """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot)."""
+
+    snap: StreamSnapshot
+    name: str
+    src: torch.Tensor  # plain and contiguous, on the CPU or a CUDA device
+    later: bool  # an overlapped snapshot's optimizer-owned tensor (copied after save())
+    dtype: str
+    shape: tuple[int, ...]
+    device: bool = False  # copied by the snapshot's device copier (CUDA), not on the CPU
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel() * self.src.element_size()
+
+    def fetch(self, lease: SlotLease, off: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.snap.fetch(lease, self, off, n)
+
+
+def torn(watch: list[tuple[str, torch.Tensor, int]]) -> list[str]:
+    """Names of the watched sources whose version counter moved since it was read."""
+    return [name for name, src, version in watch if src._version != version]
+
+
+def torn_error(changed: list[str]) -> SnapshotTorn:
+    shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more"
+                                       if len(changed) > 5 else "")
+    return SnapshotTorn(
+        f"{len(changed)} tensor(s) changed in place while their overlapped snapshot "
+        f"was being copied: {shown}; with snapshot = \"overlapped\" only a hooked "
+        "optimizer.step() may change the state between save() and the copy's end "
+        "(use snapshot = \"blocking\" otherwise)")
+
+
+class CudaCopier:
+    """The device-to-host copies of one streamed snapshot: on a side stream ordered after the
+    work queued on the current stream when the snapshot was taken (``ready``), each behind
+    its ring slot's own event, which the codec thread then waits for (that thread only: the
+    GIL is released, no device-wide synchronize). Tests stand in for it with CPU fakes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(device))
+        self.stream = torch.cuda.Stream(device)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, event: Any) -> None:
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.ready)
+            dst.copy_(src, non_blocking=True)
+            event.record(self.stream)
+        event.synchronize()
+
+
+class StreamSnapshot:
+    """One save's snapshot under a budget: the live tensors, copied out by the encoder.
+
+    The codec threads call :meth:`fetch` for each chunk (into a ring slot: a native copy on
+    the CPU, a ``non_blocking`` copy on a side stream plus the slot's event on CUDA, ordered
+    after the work queued when the snapshot was taken). Bytes copied out are counted:
+    ``now_done`` resolves once every ``now`` tensor is out (the caller may go on), then
+    ``all_done`` once the ``later`` ones are (an overlapped step may run); just before, the
+    later tensors' version counters are compared, and a change is :class:`SnapshotTorn`,
+    raised into the encoder so the save fails. :meth:`close` resolves both whatever happened
+    (a failed save must not leave the caller or a step waiting).
+    """
+
+    def __init__(self, ring: SlotRing, on_now: Callable[[], None] | None = None,
+                 copier: Any = None) -> None:
+        self.ring = ring
+        #: device-to-host copies (a :class:`CudaCopier`, made at the first device tensor)
+        self.copier = copier
+        self.tensors: dict[str, dict[str, StreamedTensor]] = {}
+        self.now_left = 0
+        self.later_left = 0
+        self.watch: list[tuple[str, torch.Tensor, int]] = []
+        self.now_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.all_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.on_now = on_now
+        self._lock = threading.Lock()
+        self.devices: set[str] = set()
+
+    def add(self, item: str, name: str, src: torch.Tensor, later: bool,
+            device: bool | None = None) -> StreamedTensor:
+        """Stream ``src`` (``device``: through :attr:`copier`; default: not on the CPU)."""
+        from mithril_async.codec.dtypes import dtype_name
+
+        device = src.device.type != "cpu" if device is None else device
+        t = StreamedTensor(self, f"{item}/{name}", src, later, dtype_name(src, where=name),
+                           tuple(int(s) for s in src.shape), device)
+        self.tensors.setdefault(item, {})[name] = t
+        self.devices.add(src.device.type)
+        if later:
+            self.later_left += t.nbytes
+            self.watch.append((t.name, src, src._version))
+        else:
+            self.now_left += t.nbytes
+        if device and self.copier is None:
+            self.copier = CudaCopier(src.device)
+        return t
+
+    def start(self) -> None:
+        """All tensors added: resolve what is already complete (nothing to copy)."""
+        self._progress(0, False)
+
+    def fetch(self, lease: SlotLease, t: StreamedTensor, off: int, n: int
+              ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Copy bytes ``[off, off + n)`` of ``t`` into the slot; return them (a codec thread)."""
+        if off < 0 or n < 0 or off + n > t.nbytes or n > lease.ring.slot_bytes:
+            raise ValueError(f"{t.name}: chunk [{off}, {off + n}) outside the tensor or slot")
+        dst = lease.tensor[:n]
+        if t.device:  # device-to-host on the side stream, behind the slot's own event
+            ring, i = lease.ring, lease.index
+            assert self.copier is not None
+            if ring.events[i] is None:
+                ring.events[i] = self.copier.new_event()
+            self.copier.copy(dst, t.src.reshape(-1).view(torch.uint8)[off:off + n],
+                             ring.events[i])
+        elif K.native_available():
+            K.copy_batch([(t.src.data_ptr() + off, dst.data_ptr(), n)], STREAM_COPY_MIN_BYTES)
+        else:
+            dst.copy_(t.src.reshape(-1).view(torch.uint8)[off:off + n])
+        self._progress(n, t.later)
+        return lease.array[:n]
+
+    def _progress(self, n: int, later: bool) -> None:
+        fire_now = check_later = False
+        with self._lock:
+            if later:
+                self.later_left -= n
+            else:
+                self.now_left -= n
+            if self.now_left == 0 and not self.now_done.done():
+                fire_now = True
+            if self.now_left == 0 and self.later_left == 0 and not self.all_done.done():
+                check_later = True
+        if fire_now:
+            if self.on_now is not None:
+                self.on_now()
+            _set(self.now_done)
+        if check_later:
+            changed = torn(self.watch)
+            _set(self.all_done)
+            if changed:
+                raise torn_error(changed)
+
+    def close(self) -> None:
+        _set(self.now_done)
+        _set(self.all_done)
+
+
+def _set(fut: concurrent.futures.Future[None]) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        fut.set_result(None)
