@@ -13,7 +13,14 @@ import re
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mithril_async.errors import InvalidFormat, UnknownFormatVersion
 from mithril_async.storage.base import check_key
@@ -56,6 +63,49 @@ class BaseRef(_Model):
         return check_key(v)
 
 
+def _falsy(v: Any) -> bool:
+    return not v
+
+
+class PieceMeta(_Model):
+    """Where one stored tensor sits inside its global tensor (DCP's "chunk metadata").
+
+    Recorded for the tensors of sharded state (DTensors of ``ShardedModel`` /
+    ``ShardedOptimizer``: FSDP2, tensor parallel) so a restore on another world size or mesh
+    can compute which stored pieces overlap the piece it needs. The piece is the box
+    ``[offsets[d], offsets[d] + lengths[d])`` of every dimension ``d`` of ``global_shape``;
+    ``replicated``: other ranks hold the same box (a ``Replicate`` mesh dimension, or a plain
+    tensor such as an optimizer's step counter), so a restore reads one copy, the lowest
+    rank's. Absent in manifests written before issue 25 (and for unsharded state).
+    """
+
+    global_shape: list[int] = Field(max_length=64)
+    offsets: list[int] = Field(max_length=64)
+    lengths: list[int] = Field(max_length=64)
+    dtype: str = Field(max_length=32)
+    replicated: bool = Field(False, exclude_if=_falsy)
+
+    @field_validator("global_shape", "offsets", "lengths")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(x < 0 for x in v):
+            raise ValueError("negative size or offset")
+        return v
+
+    @model_validator(mode="after")
+    def _inside(self) -> PieceMeta:
+        n = len(self.global_shape)
+        if len(self.offsets) != n or len(self.lengths) != n:
+            raise ValueError(f"piece of a {n}-d tensor with {len(self.offsets)} offsets and "
+                             f"{len(self.lengths)} lengths")
+        for d, (o, ln, g) in enumerate(zip(self.offsets, self.lengths, self.global_shape,
+                                           strict=True)):
+            if o + ln > g:
+                raise ValueError(f"dimension {d}: piece [{o}, {o + ln}) exceeds the global "
+                                 f"size {g}")
+        return self
+
+
 class BlobRef(_Keyed):
     """One stored artifact: where it is, how big, its checksum and how it was made."""
 
@@ -68,6 +118,9 @@ class BlobRef(_Keyed):
     base: BaseRef | None = None
     #: blobs holding full copies of tensors this blob only references (unchanged tensors)
     refs: list[BaseRef] = Field(default_factory=list)
+    #: tensor name -> where it sits in its global tensor, for sharded state (issue 25);
+    #: written only when there is some, so other manifests are what they were
+    pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=_falsy)
 
 
 class ShardRef(BlobRef):
@@ -128,10 +181,6 @@ class LossyEntry(_Model):
     #: names whose stored values are quantised in this version (empty for a lossless keyframe)
     quantized: list[str] = Field(default_factory=list)
     shards: list[ShardRef] = Field(default_factory=list)
-
-
-def _falsy(v: Any) -> bool:
-    return not v
 
 
 class VersionManifest(_Model):

@@ -232,3 +232,51 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(decode_rng_state(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([decode_rng_state(s) for s in state["cuda"]])
+
+
+# ------------------------------------------------------------ restores on another world size
+#: keys of a data-loader state that count positions (DistributedSampler-style): each rank
+#: has consumed that many samples of its 1/world share of the data
+POSITION_KEYS = ("position", "index", "samples_seen", "num_samples_seen", "consumed")
+
+
+def default_on_reshard(states_by_rank: dict[int, Any], new_rank: int,
+                       new_world: int) -> Any:
+    """The default mapping of saved per-rank data-loader states to a rank of a new world.
+
+    ``DistributedSampler``-style positions (:data:`POSITION_KEYS`, an int on every saved rank)
+    mean each of the old ranks consumed that many samples of its share; together they consumed
+    the sum, so each new rank starts at ``sum // new_world`` of its (new) share: no sample is
+    seen twice in the epoch, at most ``new_world - 1`` are skipped. Everything else is taken
+    from the saved rank of the same number (rank 0's when it did not exist), and the state is
+    marked ``"exact": False``: replay is best-effort. Pass ``on_reshard=`` to ``restore()``
+    for loaders whose state means something else.
+    """
+    if not states_by_rank:
+        return None
+    ranks = sorted(states_by_rank)
+    base = states_by_rank[new_rank if new_rank in states_by_rank else ranks[0]]
+    if not isinstance(base, dict):
+        return base
+    out = dict(base)
+    for key in POSITION_KEYS:
+        vals = [states_by_rank[r].get(key) if isinstance(states_by_rank[r], dict) else None
+                for r in ranks]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            out[key] = sum(vals) // new_world  # type: ignore[arg-type]
+    out["exact"] = False
+    return out
+
+
+def reseed_rng(saved: dict[str, Any], new_rank: int) -> int:
+    """Seed python, numpy and torch for a rank that did not exist when the version was saved,
+    deterministically: the seed is the XXH64 of the lowest saved rank's torch generator state
+    and the new rank's number, so a restart of the same reshard draws the same numbers and two
+    new ranks never share a stream. Returns the seed."""
+    import xxhash
+
+    seed = xxhash.xxh64_intdigest(f"{saved['torch']}/{new_rank}".encode()) & ((1 << 63) - 1)
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+    return seed

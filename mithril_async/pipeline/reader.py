@@ -8,18 +8,26 @@ hold the exact blob the manifest recorded; the RNG/state file has its recorded x
 saved at the manifest's step (a manifest carries no checksum of its own, so an altered step is
 caught there). Reading never writes: no claims, no alias repairs.
 
+Restoring into live objects (the manager passes their tensors): a version of the same layout
+is decoded straight into the live tensors, every blob verified whole before the first write;
+sharded state whose manifest recorded its pieces restores on any world size and mesh, each
+rank reading only the pieces (chunks) it needs (:mod:`~mithril_async.pipeline.inplace`,
+:mod:`~mithril_async.pipeline.reshard`).
+
 Lightning and DeepSpeed checkpoints are single files, not run versions: :func:`read_tree_file`
 decodes those (the same container verification, no manifest).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+import torch
 import xxhash
 
 from mithril_async.catalog import RunCatalog
@@ -31,9 +39,18 @@ from mithril_async.errors import (
     MissingPrevious,
     VersionNotFound,
 )
-from mithril_async.manifest import BlobRef, VersionManifest, version_number
+from mithril_async.manifest import BlobRef, PieceMeta, ShardRef, VersionManifest, version_number
 from mithril_async.pipeline.bases import BaseLoader
 from mithril_async.pipeline.blobs import BlobCodec
+from mithril_async.pipeline.inplace import (
+    Progress,
+    apply_pieces,
+    decode_into,
+    guard_writes,
+    prepare_pieces,
+    takes_in_place,
+    verify_blob,
+)
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.lossy import merge_lossy, read_lossy_blob, read_lossy_chain
 from mithril_async.state import unflatten_state
@@ -47,14 +64,49 @@ R = TypeVar("R")
 RESTORE_ERRORS = (ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious)
 
 
-class DecodedVersion(NamedTuple):
-    """One version as a rank saved it: decoded state trees and its RNG/state document."""
-
+class _Decoded(NamedTuple):
     manifest: VersionManifest
     trees: dict[str, Any]
     #: the rank's RNG file (``rng``, ``states`` of get_state() objects, ``step``); empty when
     #: it was not asked for
     rng: dict[str, Any]
+
+
+class DecodedVersion(_Decoded):
+    """One version as a rank saved it: decoded state trees and its RNG/state document.
+
+    Unpacks as the 3-tuple ``(manifest, trees, rng)`` it always was; what restores into the
+    live state add rides along as attributes:
+
+    - ``from_pieces``: sharded items restored from their recorded pieces, already written
+      into the live local shards (their trees hold the targets' values, for
+      ``load_resharded``);
+    - ``rng_by_rank``: when the version was saved by another world size or mesh (a
+      reshard), every saved rank's RNG/state document by saved rank (per-rank RNG and
+      data-loader state mean nothing there: the caller decides); None otherwise;
+    - ``in_place``: items whose every tensor was decoded straight into the live tensors
+      (their trees hold those very tensors): loading them again copies nothing new.
+    """
+
+    from_pieces: frozenset[str]
+    rng_by_rank: dict[int, dict[str, Any]] | None
+    in_place: frozenset[str]
+
+    def __new__(cls, manifest: VersionManifest, trees: dict[str, Any], rng: dict[str, Any],
+                from_pieces: frozenset[str] = frozenset(),
+                rng_by_rank: dict[int, dict[str, Any]] | None = None,
+                in_place: frozenset[str] = frozenset()) -> DecodedVersion:
+        self = super().__new__(cls, manifest, trees, rng)
+        self.from_pieces, self.rng_by_rank, self.in_place = from_pieces, rng_by_rank, in_place
+        return self
+
+
+#: ``reshard(item, saved pieces by tensor name)``: where this rank writes each tensor of a
+#: sharded item (``distributed.ShardTarget``s), or None when the live object is not sharded
+ReshardTargets = Callable[[str, dict[str, PieceMeta]], "dict[str, Any] | None"]
+#: ``in_place(item)``: the live tensors of an item by stored name, to decode into (None: the
+#: item is decoded into fresh tensors)
+InPlaceTargets = Callable[[str], "Mapping[str, torch.Tensor] | None"]
 
 
 class VersionReader:
@@ -117,7 +169,9 @@ class VersionReader:
 
     async def read_version(self, target: str | int, *, rank: int = 0,
                            world_size: int | None = None, items: Collection[str] | None = None,
-                           rng: bool = True, fallback: bool = False) -> DecodedVersion:
+                           rng: bool = True, fallback: bool = False,
+                           reshard: ReshardTargets | None = None,
+                           in_place: InPlaceTargets | None = None) -> DecodedVersion:
         """Decode ``target`` ("latest", "best", "v000003", a step, a manifest key) for ``rank``.
 
         ``items``: the state items to decode (None: all). ``rng``: also read and verify the
@@ -125,11 +179,18 @@ class VersionReader:
         version: a version saved by another number of ranks is refused with a
         :class:`DistributedError` that says what is possible. ``fallback``: if the target does
         not verify, the newest older version that does is returned (a warning names what was
-        skipped); :class:`VersionNotFound` if none does.
+        skipped); :class:`VersionNotFound` if none does. ``reshard``: the live sharded
+        items' targets (the manager's); with it, a version whose sharded items recorded their
+        pieces restores on any world size and mesh (:meth:`_reshard`), writing those items
+        straight into the live tensors. ``in_place``: the live tensors of each item; a
+        version of the same layout is then decoded straight into them (MCKP blobs that are
+        no delta; :func:`~mithril_async.pipeline.inplace.decode_into`), block by block, each
+        block verified before it is written; a failure after the first write raises
+        :class:`~mithril_async.errors.RestoreIncomplete` (no fallback then).
         """
         key = await self.catalog.resolve(target)
         try:
-            return await self._decode(key, rank, world_size, items, rng)
+            return await self._decode(key, rank, world_size, items, rng, reshard, in_place)
         except RESTORE_ERRORS as err:
             if not fallback:
                 raise
@@ -145,7 +206,8 @@ class VersionReader:
                 continue
             cand = self.catalog.layout.manifest_key(version_number(m.version_id))
             try:
-                out = await self._decode(cand, rank, world_size, items, rng)
+                out = await self._decode(cand, rank, world_size, items, rng, reshard,
+                                         in_place)
             except RESTORE_ERRORS as err:
                 log.warning("fallback: %s does not verify either: %s", m.version_id, err)
                 continue
@@ -156,9 +218,15 @@ class VersionReader:
                               f"first error: {first_err}") from first_err
 
     async def _decode(self, key: str, rank: int, world_size: int | None,
-                      items: Collection[str] | None, rng: bool) -> DecodedVersion:
+                      items: Collection[str] | None, rng: bool,
+                      reshard: ReshardTargets | None = None,
+                      in_place: InPlaceTargets | None = None) -> DecodedVersion:
         m = await self.catalog.read_manifest(key)
         model_only = items is not None and set(items) == {"model"}
+        if world_size is not None and reshard is not None:
+            plan = self._targets(m, rank, world_size, items, reshard)
+            if plan is not None:
+                return await self._reshard(m, rank, items, rng, *plan)
         if world_size is not None:
             _check_world_size(m, model_only, rank, world_size)
         refs: dict[str, BlobRef] = {"model": m.model}
@@ -173,13 +241,140 @@ class VersionReader:
         lossy_rank = rank if world_size is None or m.world_size == world_size else 0
         lossy = await self._read_lossy(m, lossy_rank)
         load_blob = BaseLoader(self.catalog, self.codec, m.version_id)
-        # items decode concurrently: one's reads and Python work overlap another's decoding
-        decoded = await all_or_first_error([self.codec.read(self.catalog.store, ref, load_blob)
-                                            for ref in refs.values()])
-        trees = {name: unflatten_state(skeleton, merge_lossy(name, tensors, lossy))
-                 for name, (skeleton, tensors) in zip(refs, decoded, strict=True)}
+        progress = Progress()
+        # the in-flight budget of a save bounds a restore too, shared by the items
+        budget = (self.codec.pipe.max_inflight_mib << 20) // max(1, len(refs))
+        live = {name: t for name, ref in refs.items()
+                if in_place is not None and not lossy and takes_in_place(ref)
+                and (t := in_place(name))}
+        # Phase 1, nothing written yet: the RNG file, every blob decoded into the live
+        # tensors verified whole (streamed), the others decoded into fresh tensors as ever.
+        # Items run concurrently: one's reads and Python work overlap another's decoding.
         rng_doc = await self.read_rng(m, rank) if rng else {}
-        return DecodedVersion(m, trees, rng_doc)
+
+        async def phase1(name: str, ref: BlobRef) -> tuple[Any, dict[str, torch.Tensor]] | None:
+            if name in live:
+                await verify_blob(self.catalog.store, ref, self.pool, budget)
+                return None
+            return await self.codec.read(self.catalog.store, ref, load_blob)
+
+        first = await all_or_first_error([phase1(name, ref) for name, ref in refs.items()])
+        decoded = dict(zip(refs, first, strict=True))
+        # Phase 2: the verified blobs decoded straight into the live tensors, each block's
+        # hashes checked again on the way (a blob changed since phase 1 is caught; once a
+        # byte is written, a failure is RestoreIncomplete: partially overwritten)
+        done_in_place: set[str] = set()
+        all_open = asyncio.Event()
+        waiting = [len(live)]
+
+        async def opened() -> None:  # no item writes before every item's header checked out
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                all_open.set()
+            await all_open.wait()
+
+        async def phase2(name: str) -> None:
+            got = await decode_into(self.catalog.store, refs[name], live[name], self.pool,
+                                    budget, m.version_id, progress, opened)
+            assert got is not None  # takes_in_place(ref) was checked
+            decoded[name] = got
+            if all(live[name].get(n) is t for n, t in got[1].items()):
+                done_in_place.add(name)
+
+        with guard_writes(m.version_id, progress):
+            await all_or_first_error([phase2(name) for name in live])
+        trees = {}
+        for name in refs:
+            got = decoded[name]
+            assert got is not None
+            trees[name] = unflatten_state(got[0], merge_lossy(name, got[1], lossy))
+        return DecodedVersion(m, trees, rng_doc, in_place=frozenset(done_in_place))
+
+    def _targets(self, m: VersionManifest, rank: int, world_size: int,
+                 items: Collection[str] | None, reshard: ReshardTargets
+                 ) -> tuple[dict[str, dict[str, Any]], bool] | None:
+        """The targets of every sharded item when this restore goes by pieces, and whether
+        it is a reshard (another world size, or this rank's boxes differ from the same
+        rank's saved ones). Pieces serve a same-layout restore too (decoded straight into
+        the live local shards) when every per-rank item recorded them and nothing is lossy;
+        None when the plain per-rank path restores the version."""
+        per_rank = self._per_rank_items(m, items)
+        targets: dict[str, dict[str, Any]] = {}
+        for name, shards in per_rank.items():
+            pieces = _merged_pieces(shards)
+            if pieces is None:
+                continue
+            got = reshard(name, pieces)
+            if got is not None:
+                targets[name] = got
+        if not targets:
+            return None
+        unsharded = sorted(n for n in per_rank if n not in targets)
+        if m.world_size == world_size and all(_same_boxes(t, per_rank[name], rank)
+                                              for name, t in targets.items()):
+            return None if unsharded or m.lossy is not None else (targets, False)
+        if unsharded:
+            raise DistributedError(
+                f"{m.version_id} was saved by {m.world_size} rank(s) and this job has "
+                f"{world_size} (rank {rank}) or another mesh: its sharded items "
+                f"({', '.join(sorted(targets))}) reshard, but {', '.join(unsharded)} "
+                "is per-rank state without shard metadata, which cannot be remapped; restore "
+                f"with {m.world_size} rank(s) and the same mesh, or leave it out of the state")
+        if m.lossy is not None:
+            raise DistributedError(f"{m.version_id} has lossy tensors, which decode only "
+                                   "along their per-rank chain: restore it with "
+                                   f"{m.world_size} rank(s) and the same mesh")
+        return targets, True
+
+    def _per_rank_items(self, m: VersionManifest, items: Collection[str] | None
+                        ) -> dict[str, list[ShardRef]]:
+        out: dict[str, list[ShardRef]] = {}
+        if m.optimizer is not None:
+            out["optimizer"] = list(m.optimizer.shards)
+        out.update({name: list(shards) for name, shards in m.extra.items()})
+        return {n: v for n, v in out.items() if items is None or n in items}
+
+    async def _reshard(self, m: VersionManifest, rank: int, items: Collection[str] | None,
+                       rng: bool, targets: dict[str, dict[str, Any]], resharded: bool
+                       ) -> DecodedVersion:
+        """Restore sharded items from their pieces (``resharded``: on another world size or
+        mesh; else the same layout, each rank reading its own pieces): each item's pieces
+        are planned, checked, read and decoded
+        (:func:`~mithril_async.pipeline.inplace.prepare_pieces`), the unsharded model (rank
+        0's) decoded as usual, the RNG/state documents read (every saved rank's for a
+        reshard); only then are the pieces copied into the live local shards, so a damaged
+        or missing piece leaves the live state untouched."""
+        load_blob = BaseLoader(self.catalog, self.codec, m.version_id)
+        per_rank = self._per_rank_items(m, items)
+        trees: dict[str, Any] = {}
+
+        async def whole_model() -> None:
+            skeleton, tensors = await self.codec.read(self.catalog.store, m.model, load_blob)
+            trees["model"] = unflatten_state(skeleton, tensors)
+
+        budget = (self.codec.pipe.max_inflight_mib << 20) // max(1, len(targets))
+        jobs: list[Coroutine[Any, Any, Any]] = [
+            prepare_pieces(self.codec, self.catalog.store, m.version_id, name,
+                           {s.rank: s for s in per_rank[name]}, tgts, load_blob, budget)
+            for name, tgts in targets.items()]
+        if "model" not in per_rank and (items is None or "model" in items):
+            jobs.append(whole_model())
+        # everything planned, read, verified and decoded (items and saved ranks
+        # concurrently) before the first byte is written into the live state
+        prepared = (await all_or_first_error(jobs))[:len(targets)]
+        by_rank: dict[int, dict[str, Any]] = {}
+        if rng:  # a reshard maps every saved rank's; the same layout takes its own
+            keys = m.rng.keys if resharded else [_rank_ref(m, "rng", m.rng.keys, rank)]
+            docs = await all_or_first_error([self.read_rng(m, k.rank) for k in keys])
+            by_rank = {k.rank: d for k, d in zip(keys, docs, strict=True)}
+        progress = Progress()
+        with guard_writes(m.version_id, progress):
+            await apply_pieces(prepared, targets, self.pool, progress)
+        for p in prepared:
+            trees[p.item] = unflatten_state(p.skeleton, {n: t.value for n, t in
+                                                         targets[p.item].items()})
+        return DecodedVersion(m, trees, by_rank.get(rank, {}), frozenset(targets),
+                              by_rank if resharded else None)
 
     async def read_rng(self, m: VersionManifest, rank: int) -> dict[str, Any]:
         """The rank's RNG/state document of ``m``, checked against the manifest."""
@@ -237,6 +432,29 @@ def _check_world_size(m: VersionManifest, model_only: bool, rank: int, world_siz
     raise DistributedError(
         f"{m.version_id} was saved by {m.world_size} rank(s) but this job has "
         f"{world_size} (rank {rank}); resharding is not supported. Possible: {possible}")
+
+
+def _merged_pieces(shards: Sequence[ShardRef]) -> dict[str, PieceMeta] | None:
+    """Every tensor's piece (global shape, dtype) of a per-rank item, when every rank
+    recorded pieces for the same tensors; None when the item cannot be resharded."""
+    if not shards or any(not s.pieces for s in shards):
+        return None
+    names = set(shards[0].pieces)
+    if any(set(s.pieces) != names for s in shards):
+        return None
+    return dict(shards[0].pieces)
+
+
+def _same_boxes(targets: dict[str, Any], shards: Sequence[ShardRef], rank: int) -> bool:
+    """Whether this rank needs exactly the boxes the same rank saved (same layout)."""
+    mine = next((s for s in shards if s.rank == rank), None)
+    if mine is None:
+        return False
+    for name, t in targets.items():
+        p = mine.pieces.get(name)
+        if p is None or (tuple(p.offsets), tuple(p.lengths)) != (t.box.offsets, t.box.lengths):
+            return False
+    return True
 
 
 def _rank_ref(m: VersionManifest, what: str, refs: Sequence[R], rank: int) -> R:

@@ -1,0 +1,306 @@
+"""Restore benchmark (issue 25): a GPT-like many-tensor state from the page cache, restored by
+mithril (compressed and uncompressed, straight into the live tensors) vs ``torch.load``,
+``safetensors.torch.load_file`` (every page touched) and ``dcp.load`` (into preallocated
+tensors), all in this one process, medians of ``--runs``; with each one's peak extra RSS.
+
+The state: a GPT-like model in bf16 (``--layers`` blocks of 12 tensors, d_model ``--d``) and
+fp32 AdamW moments for every parameter (``exp_avg``, ``exp_avg_sq``) plus a step counter per
+parameter: 4 tensors per parameter (924 tensors, ~1.0 GiB with the defaults). Every system
+reads the same files' worth of bytes from the page cache (each is loaded once before timing).
+
+    python benchmarks/bench_restore.py [--runs 5] [--layers 19] [--d 640]
+    python benchmarks/bench_restore.py --reshard [--runs 3] [--reshard-layers 6]
+
+Prints one line per system: median seconds, GB/s of state, ratio to ``torch.load`` (time,
+ours/theirs: below 1 is faster), peak extra RSS. "before" rows run the restore path as it was
+before issue 25 (decode into fresh tensors, then ``load_state_dict``) in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rss import PeakRSS
+
+from mithril_async import CheckpointManager, parse_config
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+
+class GPTLike(torch.nn.Module):
+    def __init__(self, layers: int, d: int, vocab: int = 16384, ctx: int = 1024) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(d)
+
+
+class Moments(torch.nn.Module):
+    """fp32 AdamW moments and step counters of every parameter of ``model``, as buffers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        for name, p in model.named_parameters():
+            key = name.replace(".", "_")
+            self.register_buffer(f"exp_avg_{key}", torch.zeros(p.shape, dtype=torch.float32))
+            self.register_buffer(f"exp_avg_sq_{key}", torch.zeros(p.shape, dtype=torch.float32))
+            self.register_buffer(f"step_{key}", torch.zeros((), dtype=torch.float32))
+
+
+def make_state(layers: int, d: int, seed: int) -> tuple[GPTLike, Moments]:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = GPTLike(layers, d).to(torch.bfloat16)
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+        moments = Moments(model)
+        for name, b in moments.named_buffers():
+            if name.startswith("exp_avg_sq"):
+                b.normal_(0, 1e-4).square_()
+            elif name.startswith("exp_avg"):
+                b.normal_(0, 1e-3)
+            else:
+                b.fill_(1000.0)
+    return model, moments
+
+
+def flat(model: torch.nn.Module, moments: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    out.update({f"optimizer.{k}": v for k, v in moments.state_dict().items()})
+    return out
+
+
+def touch(tensors: dict[str, torch.Tensor]) -> None:
+    """Read every byte of every tensor (a lazily mapped load pays for its reads here)."""
+    for t in tensors.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8).max()
+
+
+def config(runs: Path, compress: bool) -> Any:
+    return parse_config(f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "bench"\n'
+                        f"[checkpointing.compression]\nenabled = {str(compress).lower()}\n")
+
+
+def timed(fn: Callable[[], Any], runs: int) -> tuple[float, int]:
+    """Median seconds of ``runs`` calls (after one warm-up call) and the largest peak extra
+    RSS among them."""
+    fn()
+    gc.collect()
+    times, peaks = [], []
+    for _ in range(runs):
+        gc.collect()
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append(time.perf_counter() - t0)
+        peaks.append(rss.peak_extra)
+        del out
+    return statistics.median(times), max(peaks)
+
+
+# ------------------------------------------------------------------ resharded restores
+def _reshard_rank(rank: int, world: int, port: int, what: str, runs: str, layers: int,
+                  d: int, reps: int, out: Any) -> None:
+    """One rank: ``save`` a DTensor-sharded (Shard(0)) fp32 GPT-like model and its AdamW
+    state, or ``restore`` it ``reps`` times into fresh state (seconds per restore to ``out``)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mithril_async.distributed import ShardedModel, ShardedOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0 if what == "save" else 1)
+    model = GPTLike(layers, d)
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # creates the moments
+    cfg = parse_config(f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "bench"\n'
+                       "[checkpointing.compression]\nthreads = 1\n")
+    state = {"model": ShardedModel(model), "optimizer": ShardedOptimizer(model, opt)}
+    with CheckpointManager(cfg, state, sharded_model=True) as mgr:
+        if what == "save":
+            mgr.save_nowait(1).result()
+        else:
+            times = []
+            for _ in range(reps + 1):  # the first warms the page cache
+                dist.barrier()
+                t0 = time.perf_counter()
+                mgr.restore_sync("latest")
+                times.append(time.perf_counter() - t0)
+            out.put((rank, times[1:]))
+    dist.destroy_process_group()
+
+
+def _launch(world: int, what: str, runs: Path, layers: int, d: int, reps: int
+            ) -> list[float]:
+    """Run ``world`` ranks; for a restore, the per-repetition time of the slowest rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reshard_rank, args=(r, world, port, what, str(runs), layers,
+                                                     d, reps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [out.get() for _ in range(world)] if what == "restore" else []
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0, f"{what} rank exited with {p.exitcode}"
+    if not got:
+        return []
+    return [max(times[i] for _, times in got) for i in range(reps)]
+
+
+def reshard_bench(layers: int, d: int, reps: int) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench_reshard_"))
+    try:
+        for w in (2, 4):
+            _launch(w, "save", tmp / f"saved{w}", layers, d, reps)
+        rows = {}
+        for saved, world in ((2, 2), (4, 2), (4, 4), (2, 4)):
+            rows[(saved, world)] = statistics.median(
+                _launch(world, "restore", tmp / f"saved{saved}", layers, d, reps))
+        n = sum(1 for _ in GPTLike(layers, d).parameters())
+        print(f"resharded restore: fp32 GPT-like ({layers} layers, d={d}; {n} parameters, "
+              f"AdamW state; Shard(0) DTensors), slowest rank, median of {reps}")
+        for (saved, world), sec in rows.items():
+            same = rows[(world, world)]
+            print(f"  saved by {saved}, restored on {world}: {sec:7.3f} s  "
+                  f"vs same-world restore on {world}: {sec / same:5.2f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=19)
+    ap.add_argument("--d", type=int, default=640)
+    ap.add_argument("--only", default="", help="comma-separated systems to run")
+    ap.add_argument("--reshard", action="store_true",
+                    help="only the resharded restores (2 <-> 4 ranks, gloo) vs same-world")
+    ap.add_argument("--reshard-layers", type=int, default=6)
+    args = ap.parse_args()
+    if args.reshard:
+        reshard_bench(args.reshard_layers, args.d, args.runs)
+        return
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    model, moments = make_state(args.layers, args.d, seed=0)
+    sd = flat(model, moments)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"state: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB; torch threads "
+          f"{torch.get_num_threads()}; runs {args.runs} (median)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_restore_"))
+    try:
+        torch.save(sd, tmp / "state.pt")
+        safetensors.torch.save_file(sd, str(tmp / "state.safetensors"))
+        dcp.save(sd, checkpoint_id=str(tmp / "dcp"))
+        for compress in (True, False):
+            runs = tmp / ("runs_c" if compress else "runs_u")
+            with CheckpointManager(config(runs, compress),
+                                   {"model": model, "optimizer": moments}) as m:
+                m.save_nowait(1).result()
+        live_model, live_moments = make_state(args.layers, args.d, seed=1)
+        live = flat(live_model, live_moments)
+
+        def ours(compress: bool) -> Callable[[], Any]:
+            runs = tmp / ("runs_c" if compress else "runs_u")
+            mgr = CheckpointManager(config(runs, compress),
+                                    {"model": live_model, "optimizer": live_moments})
+            managers.append(mgr)
+            return lambda: mgr.restore_sync("latest")
+
+        def before(compress: bool) -> Callable[[], Any]:
+            """The restore as it was before issue 25, for comparison: every item decoded
+            into fresh tensors (the whole blob read and hashed first), then
+            ``load_state_dict`` copies them into the live ones."""
+            runs = tmp / ("runs_c" if compress else "runs_u")
+            mgr = CheckpointManager(config(runs, compress),
+                                    {"model": live_model, "optimizer": live_moments})
+            managers.append(mgr)
+
+            def run() -> Any:
+                decoded = mgr._bg(mgr._reader.read_version("latest", rank=0, world_size=1))
+                return mgr._apply(decoded, "all")
+
+            return run
+
+        managers: list[CheckpointManager] = []
+        systems: dict[str, Callable[[], Any]] = {
+            "torch.load": lambda: torch.load(tmp / "state.pt", weights_only=True),
+            "safetensors.load_file": lambda: (
+                lambda t: (touch(t), t)[1])(safetensors.torch.load_file(
+                    str(tmp / "state.safetensors"))),
+            "dcp.load (into live)": lambda: dcp.load(live, checkpoint_id=str(tmp / "dcp")),
+            "mithril compressed": ours(True),
+            "mithril uncompressed": ours(False),
+            "mithril compressed, before": before(True),
+            "mithril uncompressed, before": before(False),
+        }
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        results: dict[str, tuple[float, int]] = {}
+        for name, fn in systems.items():
+            if only and not any(o in name for o in only):
+                continue
+            results[name] = timed(fn, args.runs)
+            s, peak = results[name]
+            print(f"  {name:<28} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
+                  f"peak extra RSS {peak / 2**20:8.1f} MiB", flush=True)
+        for mgr in managers:
+            mgr.close()
+        ok = all(torch.equal(live[k], sd[k]) for k in sd)
+        print(f"live state after the restores equals the saved one: {ok}")
+        base = results.get("torch.load")
+        dcp_s = results.get("dcp.load (into live)")
+        for name, (s, _peak) in results.items():
+            line = f"  {name:<28}"
+            if base:
+                line += f"  time vs torch.load {s / base[0]:5.2f}x"
+                line += f"  throughput vs torch.load {base[0] / s:5.2f}x"
+            if dcp_s:
+                line += f"  time vs dcp.load {s / dcp_s[0]:5.2f}x"
+            print(line)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
