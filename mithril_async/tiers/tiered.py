@@ -1,0 +1,729 @@
+"""The tier layer: commit on node-local storage, replicate to a peer node, trickle to the remote.
+
+How it plugs into a save without changing the save protocol (:mod:`mithril_async.pipeline.save`):
+
+- The manager's store is this process's node-local tier, a :class:`NodeStore` (a LocalStore
+  under ``tiers.local``). Every rank writes its blobs there, durably, exactly as before.
+- The manager's coordinator is a :class:`TierCoordinator` wrapped around the usual one. Rank 0's
+  commit checks every blob's size in its store; blobs of ranks on other nodes are not in rank
+  0's node folder, so their sizes come from what those ranks reported durable in this save's
+  gather (``NodeStore.reported``, cleared after the verdict). After a committed verdict, rank 0
+  broadcasts the manifest (and the run's config file) on the save protocol's own group, and
+  the lowest rank of every node writes them into its node folder and moves ``latest_local``
+  there: the version is committed on the local tier of every node before ``save()``'s handle
+  resolves.
+- Replication and upload then run in the background on the tier layer's own loop and gloo
+  group (:mod:`mithril_async.tiers.transport`), one version after the other and in the same
+  order on every rank: each rank sends the encoded blobs it wrote (already compressed) to its
+  replica holders (:mod:`mithril_async.tiers.topology`), who keep them under
+  ``<local>/replica/`` with the manifest and move ``latest_replicated`` once every rank's copy
+  arrived; then each rank uploads its blobs to the remote and rank 0, once all uploads are
+  durable, writes the manifest there (last, so a remote version is complete when visible) and
+  moves ``latest_remote`` and ``latest``. :class:`TierResult` says which tiers each version
+  reached and when; a tier that failed is named with the rank in ``errors``.
+- Retention per tier: the node lead keeps ``keep_local`` versions in its node folder and
+  ``keep_replicated`` in its replica folder; the remote follows the config's ``keep_*`` policy.
+  The newest version complete on the remote is never deleted from a fast tier while no newer
+  version is complete anywhere.
+
+Recovery (:meth:`Tiers.recover`): the ranks pool what their tiers hold, pick the newest version
+that is complete on some tier, and each rank fetches the blobs it needs (its own shards and RNG
+file, the model) from its own node folder, else the rank holding the copy (over the tier
+group), else the remote; every blob is verified against the manifest's XXH64 whatever the
+source, and a damaged copy falls through to the next tier for that blob only. What was fetched
+is written into the node folder, and the manager's one reader then restores from there
+(verifying again while decoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from mithril_async.catalog import RunCatalog
+from mithril_async.config import CheckpointingConfig, Config
+from mithril_async.distributed import DistCoordinator, dist_world
+from mithril_async.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    DistributedError,
+    KeyExists,
+    KeyNotFound,
+    PreconditionFailed,
+    StorageError,
+    VersionNotFound,
+)
+from mithril_async.layout import RunLayout, new_run_id
+from mithril_async.manifest import AliasFile, VersionManifest, dump_model, parse_model, utcnow
+from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
+from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.retention import apply_retention, from_config
+from mithril_async.storage.base import Store
+from mithril_async.storage.local import LocalStore
+from mithril_async.tiers.config import TiersConfig, check_local_root
+from mithril_async.tiers.topology import NodeMap
+from mithril_async.tiers.transport import GlooLink, Link, LocalLink
+
+log = logging.getLogger("mithril_async")
+
+_RANK_IN_KEY = re.compile(r"_rank(\d{4})\.[^/]*$")
+TIERS = ("local", "replicated", "remote")
+
+
+class NodeStore(LocalStore):
+    """The node-local tier. ``reported``: sizes of blobs other nodes' ranks reported durable in
+    the save being committed (rank 0's commit check cannot see another node's disk)."""
+
+    def __init__(self, root: str | Path, **kw: Any) -> None:
+        super().__init__(root, **kw)
+        self.reported: dict[str, int] = {}
+
+    async def size(self, key: str) -> int:
+        try:
+            return await super().size(key)
+        except KeyNotFound:
+            if key in self.reported:
+                return self.reported[key]
+            raise
+
+
+@dataclass
+class TierResult:
+    """Which tiers one version reached, and when (seconds after its local commit)."""
+
+    version_id: str
+    step: int
+    committed_at: float
+    reached: dict[str, float] = field(default_factory=dict)
+    #: tier -> what failed (naming the rank)
+    errors: dict[str, str] = field(default_factory=dict)
+    done: concurrent.futures.Future[None] = field(
+        default_factory=concurrent.futures.Future, repr=False)
+
+
+@dataclass(frozen=True)
+class Need:
+    """One file a rank needs to restore a version: its key, size and XXH64 when known."""
+
+    key: str
+    owner: int
+    bytes: int | None
+    xxh64: str | None
+
+
+def owner_of(key: str) -> int:
+    """The rank that wrote a blob (``..._rankNNNN.ext``; the whole model is rank 0's)."""
+    m = _RANK_IN_KEY.search(key)
+    return int(m.group(1)) if m else 0
+
+
+def owned_files(m: VersionManifest) -> dict[int, list[Need]]:
+    """Every file of a version by the rank that wrote it (blobs and RNG files)."""
+    out: dict[int, list[Need]] = {}
+    seen: set[str] = set()
+    for b in m.blobs():
+        if b.key in seen:
+            continue
+        seen.add(b.key)
+        o = owner_of(b.key)
+        out.setdefault(o, []).append(Need(b.key, o, b.bytes, b.xxh64))
+    for k in m.rng.keys:
+        out.setdefault(k.rank, []).append(Need(k.key, k.rank, None, k.xxh64))
+    return out
+
+
+def needed_files(m: VersionManifest, rank: int) -> list[Need]:
+    """What the one reader reads for ``rank`` (same world size): the model (rank 0's whole
+    model, or with a sharded model this rank's shard, listed with its shards), this rank's
+    shards and RNG file; and the run's config file."""
+    out = []
+    if m.config is not None:  # the run's recorded config: the next save's manifest names it
+        out.append(Need(m.config.key, 0, m.config.bytes, m.config.xxh64))
+    if "model" not in m.extra:
+        out.append(Need(m.model.key, owner_of(m.model.key), m.model.bytes, m.model.xxh64))
+    out.extend(n for n in owned_files(m).get(rank, []) if n.key not in {o.key for o in out})
+    return out
+
+
+def intact(data: bytes | memoryview | None, need: Need) -> bool:
+    if data is None:
+        return False
+    if need.bytes is not None and len(data) != need.bytes:
+        return False
+    return need.xxh64 is None or xxhash.xxh64_hexdigest(data) == need.xxh64
+
+
+def _part_sizes(p: RankPart) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if p.model is not None:
+        out[p.model.key] = p.model.bytes
+    out.update({s.key: s.bytes for s in p.shards.values()})
+    if p.lossy is not None:
+        out.update({s.key: s.bytes for s in p.lossy.shards})
+    if p.rng_key is not None and p.rng_bytes is not None:
+        out[p.rng_key] = p.rng_bytes
+    return out
+
+
+async def move_alias(store: Store, layout: RunLayout, name: str, m: VersionManifest,
+                     key: str) -> bool:
+    """Point ``aliases/<name>.json`` in ``store`` at ``m`` unless it names a later version
+    (compare-and-swap, like ``latest``)."""
+    akey = layout.alias_key(name)
+    for _ in range(16):
+        try:
+            data, etag = await store.get_with_etag(akey)
+            cur = parse_model(AliasFile, data, akey)
+        except KeyNotFound:
+            cur, etag = None, None
+        if cur is not None and cur.version_id is not None and cur.version_id >= m.version_id:
+            return False
+        new = AliasFile(name=name, status="ok", run_id=m.run_id, version_id=m.version_id,
+                        step=m.step, manifest_key=key, updated_at=utcnow())
+        try:
+            await store.put_if_match(akey, dump_model(new), etag)
+            return True
+        except (PreconditionFailed, KeyExists):
+            continue
+    raise PreconditionFailed(f"alias {akey}: too much contention")
+
+
+class TierCoordinator:
+    """The manager's coordinator with the local-tier commit added after the verdict."""
+
+    def __init__(self, inner: Coordinator, tiers: Tiers) -> None:
+        self.inner = inner
+        self.tiers = tiers
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+
+    async def agree_version(self, claim: Any) -> int:
+        return await self.inner.agree_version(claim)
+
+    async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
+        parts = await self.inner.gather_parts(part)
+        if parts is not None:  # rank 0: other nodes' blobs are durable on their own disks
+            reported: dict[str, int] = {}
+            for p in parts:
+                if p.error is None:
+                    reported.update(_part_sizes(p))
+            self.tiers.store.reported = reported
+        return parts
+
+    async def broadcast_outcome(self, outcome: Outcome | None) -> Outcome:
+        try:
+            out = await self.inner.broadcast_outcome(outcome)
+        finally:
+            self.tiers.store.reported = {}
+        if not out.committed or out.manifest_key is None:
+            return out
+        payload: dict[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                payload = await self.tiers.manifest_payload(out.manifest_key)
+            except Exception as err:  # every rank must still leave the broadcast alike
+                payload = {"error": f"rank 0 could not read {out.manifest_key} back: "
+                                    f"{type(err).__name__}: {err}"}
+        if isinstance(self.inner, DistCoordinator):
+            payload = await self.inner._collective(
+                "tier_manifest", self.inner._bcast_fn(payload))
+        assert payload is not None
+        if "error" in payload:
+            raise StorageError(f"tier local: {payload['error']}")
+        await self.tiers.commit_local(payload)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Tiers:
+    """The tiers of one process: node-local store, replica store, remote, and the peer link.
+
+    Every rank constructs it at the same point (it creates a gloo group), with the same
+    config. ``remote``: a store to use as the durable tier instead of opening
+    ``[checkpointing.remote]`` (tests count its requests). Bad input fails here: a missing or
+    unwritable local path, ``replicas`` >= nodes (:class:`ConfigError`), an unreachable remote
+    (:class:`StorageError`)."""
+
+    def __init__(self, config: Config | CheckpointingConfig,
+                 tiers: TiersConfig | Mapping[str, Any] | None = None, *,
+                 remote: Store | None = None, link: Link | None = None,
+                 node_map: NodeMap | None = None) -> None:
+        self.config = config if isinstance(config, Config) else Config(checkpointing=config)
+        cfg = self.cfg = self.config.checkpointing
+        if tiers is None:
+            tiers = getattr(cfg, "tiers", None)
+            if tiers is None:
+                raise ConfigError("checkpointing.tiers is not set (local = ..., replicas = ...)")
+        self.tcfg = tiers if isinstance(tiers, TiersConfig) else TiersConfig.from_mapping(tiers)
+        comp = cfg.compression
+        if comp.delta or comp.dedup or cfg.lossy.enabled:
+            raise ConfigError("checkpointing.tiers: delta chains, dedup and the lossy tier are "
+                              "not supported with tiers yet (compression.delta, "
+                              "compression.dedup, lossy.enabled must be off)")
+        world = dist_world()
+        if link is None:
+            link = (GlooLink(self.tcfg.commit_timeout_s) if world is not None and world[1] > 1
+                    else LocalLink())
+        self.link = link
+        self.rank, self.world = link.rank, link.world_size
+        if node_map is None:
+            hosts = None
+            if self.world > 1:
+                hosts = link.all_gather(socket.gethostname(), "tiers: gather hostnames")
+            node_map = NodeMap.from_env(self.world, hosts)
+        self.nodes = node_map
+        self.node = node_map.node_of[self.rank]
+        self.holders = node_map.replica_holders(self.rank, self.tcfg.replicas)
+        root = check_local_root(self.tcfg, self.node, self.rank)
+        self.root = root
+        self.per_rank_folder = "{rank}" in self.tcfg.local
+        self.lead = self.per_rank_folder or node_map.is_lead(self.rank)
+        self.store = NodeStore(root)
+        self.replica_store = LocalStore(root / "replica")
+        #: recovered copies written back into the node folder, without fsync: every read
+        #: of them is verified against the manifest, so a copy torn by a power loss is only
+        #: fetched again, and a restore does not wait for the disk
+        self._hydrate = LocalStore(root, durable=False)
+        self.runs_prefix = Path(cfg.runs_path).name or "runs"
+        self._loop = BackgroundLoop(name="mithril-tiers")
+        self.remote: Store | None = None
+        if self.tcfg.upload and (remote is not None or cfg.remote is not None):
+            try:
+                if remote is None:
+                    remote = self._loop.run(self._open(cfg))
+                self.remote = remote
+                self._loop.run(self._probe_remote(), timeout=self.tcfg.commit_timeout_s + 5)
+            except BaseException:  # nothing of a Tiers that failed to start stays running
+                if self.remote is not None:
+                    with contextlib.suppress(Exception):
+                        self._loop.run(self.remote.close())
+                self._loop.close()
+                raise
+        self.layout: RunLayout | None = None
+        self.results: dict[str, TierResult] = {}
+        self._last: concurrent.futures.Future[None] | None = None
+        #: newest versions this process saw complete on the remote / replica tier
+        self._newest_remote: str | None = None
+        self._newest_replicated: str | None = None
+        self._closed = False
+        #: after :meth:`recover`: where each file this rank needed came from
+        self.last_sources: dict[str, str] = {}
+        #: after :meth:`recover`: seconds from its start to the end of each phase
+        self.last_timings: dict[str, float] = {}
+
+    @staticmethod
+    async def _open(cfg: CheckpointingConfig) -> Store:
+        from mithril_async.storage import open_store
+
+        return open_store(cfg.remote)
+
+    async def _probe_remote(self) -> None:
+        assert self.remote is not None
+        where = getattr(self.remote, "url", None) or type(self.remote).__name__
+        if self.cfg.remote is not None:
+            r = self.cfg.remote
+            where = f"s3://{r.bucket}/{r.prefix} at {r.endpoint_url or 'the default endpoint'}"
+        try:
+            await asyncio.wait_for(self.remote.list_dir(self.runs_prefix),
+                                   self.tcfg.commit_timeout_s)
+        except Exception as err:
+            raise StorageError(f"checkpointing.remote: the remote tier {where} is unreachable "
+                               f"at start ({type(err).__name__}: {err})") from err
+
+    # ------------------------------------------------------------------ construction helpers
+    def manager(self, state: Mapping[str, Any], **kw: Any) -> Any:
+        """A CheckpointManager whose saves commit on this node's tier and then replicate and
+        upload in the background. Every rank calls it at the same point."""
+        from mithril_async.manager import CheckpointManager
+
+        inner: Coordinator = (DistCoordinator(timeout_s=self.tcfg.commit_timeout_s)
+                              if self.world > 1 else LocalCoordinator())
+        config = self.config
+        if self.cfg.run_id is None:  # every rank must use rank 0's fresh run id
+            rid = new_run_id()
+            if isinstance(inner, DistCoordinator):
+                rid = inner.broadcast_from_zero(rid, "tiers: agree run id")
+            config = config.model_copy(deep=True)
+            config.checkpointing.run_id = rid
+        kw.setdefault("retention", None)  # per tier, here
+        mgr = CheckpointManager(config, state, store=self.store, runs_prefix=self.runs_prefix,
+                                coordinator=TierCoordinator(inner, self), **kw)
+        self.layout = mgr.layout
+        return mgr
+
+    def close(self) -> None:
+        """Wait for the background tier work, then release the loop, stores and group."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.wait()
+        if self.remote is not None:
+            with contextlib.suppress(Exception):
+                self._loop.run(self.remote.close())
+        self._loop.close()
+        self.link.close()
+
+    # ------------------------------------------------------------------ save path
+    async def manifest_payload(self, manifest_key: str) -> dict[str, Any]:
+        """Rank 0, after the commit: what every node needs to commit the version locally."""
+        assert self.layout is not None
+        data = await self.store.get(manifest_key)
+        m = parse_model(VersionManifest, data, manifest_key)
+        conf = None if m.config is None else await _get_or_none(self.store, m.config.key)
+        return {"manifest_key": manifest_key, "manifest": data,
+                "config_key": None if conf is None or m.config is None else m.config.key,
+                "config": conf}
+
+    async def commit_local(self, payload: dict[str, Any]) -> None:
+        """Every rank, after the verdict: the node lead writes the manifest into its node
+        folder and moves ``latest_local``; then the background tier job is queued."""
+        assert self.layout is not None
+        key, data = payload["manifest_key"], payload["manifest"]
+        m = parse_model(VersionManifest, data, key)
+        if self.lead:
+            await _write_meta(self.store, payload)
+            await move_alias(self.store, self.layout, "latest_local", m, key)
+        res = TierResult(m.version_id, m.step, time.time())
+        res.reached["local"] = 0.0
+        self.results[m.version_id] = res
+        prev = self._last
+        self._last = fut = self._loop.submit(self._background(payload, m, res, prev))
+        fut.add_done_callback(lambda f: _finish(res, f))
+
+    async def _background(self, payload: dict[str, Any], m: VersionManifest, res: TierResult,
+                          prev: concurrent.futures.Future[None] | None) -> None:
+        if prev is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wrap_future(prev)
+        if self.tcfg.replicas:
+            try:
+                await self._replicate(payload, m)
+                res.reached["replicated"] = time.time() - res.committed_at
+                self._newest_replicated = m.version_id
+            except Exception as err:
+                res.errors["replicated"] = str(err)
+                log.error("%s did not reach the replica tier: %s", m.version_id, err)
+        if self.remote is not None:
+            try:
+                await self._upload(payload, m)
+                res.reached["remote"] = time.time() - res.committed_at
+                self._newest_remote = m.version_id
+            except Exception as err:
+                res.errors["remote"] = str(err)
+                log.error("%s did not reach the remote tier: %s", m.version_id, err)
+        try:
+            await self._retention()
+        except Exception as err:  # the versions are committed; retried after the next save
+            log.warning("tier retention after %s failed: %r", m.version_id, err)
+
+    async def _gloo(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    async def _replicate(self, payload: dict[str, Any], m: VersionManifest) -> None:
+        """Each rank's files to its holders; holders keep them with the manifest."""
+        assert self.layout is not None
+        owned = owned_files(m)
+        error: str | None = None
+        sends: list[tuple[int, int, bytes]] = []
+        recvs: list[tuple[int, int]] = []
+        meta: dict[int, tuple[int, Need]] = {}
+        tag = 0
+        try:
+            for r in range(self.world):  # tags numbered the same way on every rank
+                for h in self.nodes.replica_holders(r, self.tcfg.replicas):
+                    for need in owned.get(r, []):
+                        tag += 1
+                        if r == self.rank:
+                            sends.append((h, tag, await self.store.get(need.key)))
+                        elif h == self.rank:
+                            recvs.append((r, tag))
+                            meta[tag] = (r, need)
+            peers = sorted({h for h, _, _ in sends} | {r for r, _ in recvs})
+            got = await self._gloo(self.link.exchange, sends, recvs,
+                                   f"{m.version_id}: copies to/from rank(s) {peers} "
+                                   "(tier replicated)")
+            sends.clear()
+            for t, data in got.items():
+                r, need = meta[t]
+                if not intact(data, need):
+                    raise ChecksumMismatch(f"replica of {need.key} from rank {r}",
+                                           need.xxh64 or "?", xxhash.xxh64_hexdigest(data))
+                await self.replica_store.put(need.key, data)
+        except Exception as err:
+            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        held_any = bool(recvs)
+        if held_any and error is None:
+            try:
+                await _write_meta(self.replica_store, payload)
+            except Exception as err:
+                error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        statuses = await self._gloo(self.link.all_gather, error, "tiers: replication status")
+        bad = [s for s in statuses if s is not None]
+        if bad:
+            raise DistributedError(f"{m.version_id}: tier replicated failed: {bad[0]}")
+        if held_any:
+            await move_alias(self.replica_store, self.layout, "latest_replicated", m,
+                             payload["manifest_key"])
+
+    async def _upload(self, payload: dict[str, Any], m: VersionManifest) -> None:
+        """Each rank uploads what it wrote; rank 0 publishes the manifest once all are in."""
+        assert self.layout is not None and self.remote is not None
+        error: str | None = None
+        try:
+            for need in owned_files(m).get(self.rank, []):
+                await self.remote.put(need.key, await self.store.get(need.key))
+            if self.rank == 0 and payload["config_key"] is not None and \
+                    not await self.remote.exists(payload["config_key"]):
+                await self.remote.put(payload["config_key"], payload["config"])
+        except Exception as err:
+            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        statuses = await self._gloo(self.link.all_gather, error, "tiers: upload status")
+        bad = [s for s in statuses if s is not None]
+        published: str | None = None
+        if not bad and self.rank == 0:
+            try:
+                with contextlib.suppress(KeyExists):
+                    await self.remote.put_if_absent(payload["manifest_key"], payload["manifest"])
+                cat = RunCatalog(self.remote, self.layout)
+                await cat.move_latest(m, payload["manifest_key"])
+                await move_alias(self.remote, self.layout, "latest_remote", m,
+                                 payload["manifest_key"])
+                policy = from_config(self.cfg)
+                if policy is not None:
+                    await apply_retention(cat, policy)
+            except Exception as err:
+                published = f"rank 0: {type(err).__name__}: {err}"
+        if not bad:
+            outcome = await self._gloo(self.link.all_gather, published, "tiers: remote commit")
+            bad = [s for s in outcome if s is not None]
+        if bad:
+            raise DistributedError(f"{m.version_id}: tier remote failed: {bad[0]}")
+
+    async def _retention(self) -> None:
+        """Node lead: keep the newest ``keep_local`` / ``keep_replicated`` versions, and the
+        newest version complete on the remote as long as no newer one survives a node loss
+        (complete on the replica tier or the remote): while uploads and replication fail, the
+        fast tiers keep the last durable recovery point instead of aging it out."""
+        if not self.lead or self.layout is None:
+            return
+        for store, keep in ((self.store, self.tcfg.keep_local),
+                            (self.replica_store, self.tcfg.keep_replicated)):
+            if keep is None:
+                continue
+            cat = RunCatalog(store, self.layout)
+            numbers = await cat.version_numbers()
+            committed = sorted(f"v{n:06d}" for n, ok in numbers.items() if ok)
+            doomed = committed[:-keep] if len(committed) > keep else []
+            nr, rep = self._newest_remote, self._newest_replicated
+            if nr is not None and (rep is None or rep <= nr):
+                doomed = [v for v in doomed if v != nr]
+            for vid in reversed(doomed):  # newest first, like the manager's retention
+                await cat.delete_version(vid)
+
+    def wait(self, timeout: float | None = None) -> list[TierResult]:
+        """Wait for the background tier work of every save so far; return the results."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last], timeout)
+        return list(self.results.values())
+
+    # ------------------------------------------------------------------ recovery
+    def recover(self, target: str = "latest") -> str:
+        """Make this rank's node folder hold an intact copy of what it needs to restore the
+        newest version complete on some tier (or ``target``, a version id); return its id.
+        Every rank calls it at the same point; then ``manager.restore_sync(vid)``."""
+        if self.layout is None:
+            raise ConfigError("Tiers.recover: create the manager first (Tiers.manager)")
+        self.wait()
+        return self._loop.run(self._recover(target))
+
+    def restore(self, manager: Any, target: str = "latest") -> Any:
+        """:meth:`recover`, then the manager's restore of that version from the node folder."""
+        return manager.restore_sync(self.recover(target))
+
+    async def _versions(self, store: Store) -> list[str]:
+        assert self.layout is not None
+        keys = await store.list(self.layout.versions_prefix)
+        return sorted({k.split("/")[-2] for k in keys if k.endswith("/manifest.json")})
+
+    async def _recover(self, target: str) -> str:
+        assert self.layout is not None
+        mine = {"local": await self._versions(self.store),
+                "replica": await self._versions(self.replica_store),
+                # a LIST, no GET: whether the remote has a version needs no read of it
+                "remote": (await self._versions(self.remote)
+                           if self.rank == 0 and self.remote is not None else [])}
+        t0 = time.perf_counter()
+        marks: dict[str, float] = {}
+        inv = await self._gloo(self.link.all_gather, mine, "tiers: recovery inventory")
+        marks["inventory"] = time.perf_counter() - t0
+        remote = set(inv[0]["remote"])
+
+        def fast(v: str) -> bool:
+            return all(v in inv[r]["local"] or any(
+                v in inv[h]["replica"] for h in self.nodes.replica_holders(r, self.tcfg.replicas))
+                for r in range(self.world))
+
+        every = sorted({v for d in inv for t in ("local", "replica", "remote") for v in d[t]})
+        if target == "latest":
+            complete = [v for v in every if v in remote or fast(v)]
+            if not complete:
+                raise VersionNotFound(f"run {self.layout.run_id}: no version is complete on any "
+                                      f"tier (local, replicated, remote)")
+            vid = complete[-1]
+        else:
+            if target not in every:
+                raise VersionNotFound(f"run {self.layout.run_id}: {target!r} is on no tier")
+            vid = target
+        mkey = self.layout.manifest_key(int(vid[1:]))
+        data = await _get_or_none(self.store, mkey) or await _get_or_none(
+            self.replica_store, mkey)
+        # the manifest: from the lowest rank holding it, else the remote
+        holders = [r for r in range(self.world)
+                   if vid in inv[r]["local"] or vid in inv[r]["replica"]]
+        src = holders[0] if holders else None
+        lacking = await self._gloo(self.link.all_gather, data is None, "tiers: manifest needs")
+        sends: list[tuple[int, int, bytes]] = []
+        recvs: list[tuple[int, int]] = []
+        for r in range(self.world):
+            if lacking[r] and src is not None:
+                if self.rank == src:
+                    sends.append((r, r + 1, data or b""))
+                elif self.rank == r:
+                    recvs.append((src, r + 1))
+        got_m = await self._gloo(self.link.exchange, sends, recvs, f"recovery: manifest {mkey}")
+        if recvs:
+            data = bytes(got_m.get(recvs[0][1], b"")) or None
+        if data is None:
+            if self.remote is None:
+                raise VersionNotFound(f"{mkey}: on no tier")
+            data = await self.remote.get(mkey)
+        m = parse_model(VersionManifest, data, mkey)
+        if m.world_size != self.world:
+            raise ConfigError(f"{vid} was saved by {m.world_size} ranks; the tier recovery "
+                              f"fetches blobs for the same world size ({self.world})")
+        if not await self.store.exists(mkey):
+            with contextlib.suppress(KeyExists):
+                await self.store.put_if_absent(mkey, data)
+        got: dict[str, bytes | memoryview] = {}
+        sources: dict[str, str] = {}
+        needs = needed_files(m, self.rank)
+        for n in needs:  # this node's folder: its own tier, then the copies it holds
+            for store, tier in ((self.store, "local"), (self.replica_store, "local replica")):
+                blob = await _get_or_none(store, n.key)
+                if intact(blob, n):
+                    assert blob is not None
+                    got[n.key], sources[n.key] = blob, tier
+                    break
+        missing = [n.key for n in needs if n.key not in got]
+        marks["own folder"] = time.perf_counter() - t0
+        wants = await self._gloo(self.link.all_gather, missing, "tiers: recovery needs")
+        by_key = {n.key: n for n in needs}
+        for r_files in owned_files(m).values():
+            by_key.update({n.key: n for n in r_files})
+        by_key.update({n.key: n for n in needed_files(m, 0)})
+        sends, recvs = [], []
+        meta: dict[int, tuple[int, str, str]] = {}
+        tag = 0
+        for r in range(self.world):  # the same plan, and tags, on every rank
+            for key in wants[r]:
+                owner = owner_of(key)
+                cands = [(owner, "local")] + [
+                    (h, "replica") for h in self.nodes.replica_holders(owner, self.tcfg.replicas)]
+                pick = next(((c, t) for c, t in cands if c != r and not self._same_folder(c, r)
+                             and vid in inv[c][t]), None)
+                if pick is None:
+                    continue
+                c, tier = pick
+                tag += 1
+                if self.rank == c:
+                    store = self.store if tier == "local" else self.replica_store
+                    sends.append((r, tag, await _get_or_none(store, key) or b""))
+                elif self.rank == r:
+                    recvs.append((c, tag))
+                    meta[tag] = (c, tier, key)
+        peers = sorted({d for d, _, _ in sends} | {c for c, _ in recvs})
+        fetched = await self._gloo(self.link.exchange, sends, recvs,
+                                   f"recovery of {vid}: files to/from rank(s) {peers}")
+        sends.clear()
+        for t, blob in fetched.items():
+            c, tier, key = meta[t]
+            if intact(blob, by_key[key]):
+                got[key], sources[key] = blob, f"rank {c} ({tier})"
+            else:
+                log.warning("%s: the copy from rank %d (%s) is damaged or missing; trying "
+                            "the next tier", key, c, tier)
+        marks["peers"] = time.perf_counter() - t0
+        error: str | None = None
+        for n in needs:
+            if n.key in got:
+                continue
+            try:
+                if self.remote is None:
+                    raise KeyNotFound(f"{n.key}: not intact on the local or replica tier and "
+                                      "there is no remote tier")
+                fetched_remote = await self.remote.get(n.key)
+                if not intact(fetched_remote, n):
+                    raise ChecksumMismatch(f"{n.key} on the remote tier", n.xxh64 or "?",
+                                           xxhash.xxh64_hexdigest(fetched_remote))
+                got[n.key], sources[n.key] = fetched_remote, "remote"
+            except Exception as err:
+                error = (f"rank {self.rank}: {n.key} of {vid} is intact on no tier "
+                         f"({type(err).__name__}: {err})")
+                break
+        marks["remote"] = time.perf_counter() - t0
+        if error is None:  # into the node folder, for the reader (and the next recovery)
+            for key, copy in got.items():
+                if sources[key] != "local":
+                    await self._hydrate.put(key, copy)
+        statuses = await self._gloo(self.link.all_gather, error, "tiers: recovery status")
+        bad = [s for s in statuses if s is not None]
+        if bad:
+            raise DistributedError(f"tier recovery of {vid} failed: {bad[0]}")
+        marks["written back"] = time.perf_counter() - t0
+        self.last_sources = sources
+        self.last_timings = marks
+        log.info("rank %d recovers %s from %s", self.rank, vid,
+                 json.dumps(sorted(set(sources.values()))))
+        return vid
+
+    def _same_folder(self, a: int, b: int) -> bool:
+        return not self.per_rank_folder and self.nodes.node_of[a] == self.nodes.node_of[b]
+
+
+async def _get_or_none(store: Store, key: str) -> bytes | None:
+    try:
+        return await store.get(key)
+    except (KeyNotFound, FileNotFoundError):
+        return None
+
+
+async def _write_meta(store: Store, payload: dict[str, Any]) -> None:
+    """The run's config file and the version's manifest (manifest last) into ``store``."""
+    if payload["config_key"] is not None and not await store.exists(payload["config_key"]):
+        with contextlib.suppress(KeyExists):
+            await store.put_if_absent(payload["config_key"], payload["config"])
+    with contextlib.suppress(KeyExists):
+        await store.put_if_absent(payload["manifest_key"], payload["manifest"])
+
+
+def _finish(res: TierResult, fut: concurrent.futures.Future[None]) -> None:
+    exc = None if fut.cancelled() else fut.exception()
+    if exc is not None:
+        res.errors.setdefault("background", repr(exc))
+    if not res.done.done():
+        res.done.set_result(None)

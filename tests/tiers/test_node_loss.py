@@ -1,0 +1,135 @@
+"""Node loss with tiers, in real processes over gloo: 4 ranks as 2 nodes, remote on moto.
+
+One save run (three versions), then restarted jobs after: node 0's folder wiped (restored
+from node 1's replicas, no GET reaches the remote); node 0 wiped again and one replica on
+node 1 corrupted (that blob alone comes from the remote); both nodes wiped (everything from
+the remote). Each restore must give back, bit for bit, the state and RNG of the last save.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.s3_server import MotoS3
+from tests.tiers._tier_worker import run_rank
+
+WORLD = 4
+_CTX = multiprocessing.get_context("forkserver")
+_CTX.set_forkserver_preload(["tests.tiers._tier_worker"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(scenario: str, args: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs = [_CTX.Process(target=run_rank, args=(scenario, args, r, WORLD, port))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0] * WORLD, scenario
+    out = Path(args["out"])
+    got = [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r in range(WORLD):
+        (out / f"{scenario}_rank{r}.pt").unlink()
+    return got
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["model"].keys() == b["model"].keys()
+            and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+            and len(a["optimizer"]) == len(b["optimizer"])
+            and all(torch.equal(x, y) for x, y in zip(a["optimizer"], b["optimizer"],
+                                                       strict=True)))
+
+
+@pytest.fixture(scope="module")
+def moto() -> Any:
+    with MotoS3() as s3:
+        yield s3
+
+
+@pytest.mark.parametrize("compress", [True])
+def test_node_loss(tmp_path: Path, moto: MotoS3, compress: bool) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    prefix = moto.unique_prefix("tiers")
+    args: dict[str, Any] = {"local": str(tmp_path / "node{node}"), "bucket": moto.bucket,
+            "prefix": prefix, "endpoint": moto.endpoint_url,
+            "env": moto.env, "out": str(out), "compress": compress}
+    saved = launch("save", args)
+    for r in range(WORLD):
+        assert saved[r]["errors"] == {"v000001": {}, "v000002": {}, "v000003": {}}
+        assert set(saved[r]["reached"]["v000003"]) == {"local", "replicated", "remote"}
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    versions = node1 / "runs" / "tiered" / "versions"
+    # keep_local = 2 on the fast tiers; the remote keeps everything (no keep_* set)
+    assert sorted(p.name for p in versions.iterdir()) == ["v000002", "v000003"]
+    assert sorted(p.name for p in (node1 / "replica/runs/tiered/versions").iterdir()) == [
+        "v000002", "v000003"]
+    assert sum(k.endswith("manifest.json") for k in moto.objects(prefix)) == 3
+    # node 1 holds replicas of ranks 0 and 1 (same local rank on the next node)
+    held = sorted(p.name for p in (node1 / "replica/runs/tiered/versions/v000003").iterdir())
+    assert "opt_shard_rank0000.bin" in held and "opt_shard_rank0001.bin" in held
+    assert not any("rank0002" in n or "rank0003" in n for n in held)
+
+    def check(got: list[dict[str, Any]]) -> None:
+        for r in range(WORLD):
+            assert got[r]["step"] == 3
+            assert _same(got[r]["snap"], saved[r]["snap"][3]), f"rank {r} state differs"
+            assert torch.equal(got[r]["next_rand"], saved[r]["next_rand"][3]), f"rank {r} RNG"
+
+    # 1. node 0 is gone: its ranks restore from node 1's replicas, nothing read remotely
+    shutil.rmtree(node0)
+    got = launch("restore", args)
+    check(got)
+    assert [g["remote_gets"] for g in got] == [0] * WORLD
+    assert set(got[0]["sources"].values()) == {"rank 2 (replica)"}
+    assert set(got[1]["sources"].values()) == {"rank 2 (replica)", "rank 3 (replica)"}
+    for r in (2, 3):  # rank 0's model: from the copy node 1 holds; their own files: local
+        model = "runs/tiered/versions/v000003/model.mckp"
+        assert got[r]["sources"].pop(model) == "local replica"
+        assert set(got[r]["sources"].values()) == {"local"}
+
+    # 2. node 0 gone again and rank 0's optimizer replica damaged: that blob from the remote
+    shutil.rmtree(node0)
+    bad = node1 / "replica/runs/tiered/versions/v000003/opt_shard_rank0000.bin"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    got = launch("restore", args)
+    check(got)
+    src0 = got[0]["sources"]
+    assert src0["runs/tiered/versions/v000003/opt_shard_rank0000.bin"] == "remote"
+    assert sum(v == "remote" for v in src0.values()) == 1
+    assert got[0]["remote_gets"] == 1
+    assert [g["remote_gets"] for g in got[1:]] == [0] * (WORLD - 1)
+
+    # 3. both nodes gone: everything from the remote tier
+    shutil.rmtree(node0)
+    shutil.rmtree(node1)
+    got = launch("restore", args)
+    check(got)
+    for r in range(WORLD):
+        assert set(got[r]["sources"].values()) == {"remote"}
+        assert got[r]["remote_gets"] >= 2

@@ -1,0 +1,322 @@
+"""The tier layer in one process: config and node mapping, bad input at construction, the
+save reaching each tier, per-tier retention and recovery falling through tier by tier."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mithril_async import parse_config
+from mithril_async.errors import ConfigError, StorageError
+from mithril_async.storage.local import LocalStore
+from mithril_async.storage.memory import MemoryStore
+from mithril_async.tiers import (
+    NodeMap,
+    Tiers,
+    TiersConfig,
+    needed_files,
+    owned_files,
+    owner_of,
+)
+from tests.manager.conftest import TinyNet
+
+
+# ---------------------------------------------------------------- node mapping
+def test_nodes_from_local_world_size_and_replica_jump() -> None:
+    nm = NodeMap.from_local_world_size(8, 2)
+    assert nm.nodes == 4 and nm.node_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    # the same local rank on the next node; the last node wraps to node 0
+    assert nm.replica_holders(0, 1) == [2]
+    assert nm.replica_holders(3, 1) == [5]
+    assert nm.replica_holders(7, 1) == [1]
+    assert nm.replica_holders(1, 2) == [3, 5]
+    assert nm.replicated_by(2, 1) == [0]
+    assert nm.replicated_by(0, 1) == [6]
+    assert nm.is_lead(4) and not nm.is_lead(5)
+
+
+def test_nodes_from_hostnames_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    nm = NodeMap.from_hostnames(["b", "b", "a", "a", "a"])
+    assert nm.node_of == (0, 0, 1, 1, 1)
+    # uneven nodes: local rank 2 of node 1 has no twin on node 0: local rank 2 mod 2 = 0
+    assert nm.replica_holders(4, 1) == [0]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert NodeMap.from_env(4, ["x"] * 4).node_of == (0, 0, 1, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE = 3"):
+        NodeMap.from_env(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="not an integer"):
+        NodeMap.from_env(4)
+
+
+def test_replicas_must_be_fewer_than_nodes() -> None:
+    nm = NodeMap.from_local_world_size(4, 2)
+    with pytest.raises(ConfigError, match=r"tiers.replicas = 2 needs at least 3 nodes"):
+        nm.replica_holders(0, 2)
+    assert nm.replica_holders(0, 0) == []
+
+
+# ---------------------------------------------------------------- config
+def test_config_template_and_errors(tmp_path: Path) -> None:
+    cfg = TiersConfig.from_mapping({"local": str(tmp_path / "n{node}" / "r{rank}")})
+    assert cfg.replicas == 1 and cfg.keep_local == 2
+    assert cfg.local_path(3, 7) == tmp_path / "n3" / "r7"
+    assert cfg.anchor() == tmp_path
+    with pytest.raises(ConfigError, match=r"checkpointing.tiers.replicas"):
+        TiersConfig.from_mapping({"local": "/x", "replicas": -1})
+    with pytest.raises(ConfigError, match=r"checkpointing.tiers.locl"):
+        TiersConfig.from_mapping({"locl": "/x"})
+    with pytest.raises(ConfigError, match=r"unknown placeholder\(s\) \{host\}"):
+        TiersConfig.from_mapping({"local": "/x/{host}"})
+
+
+def _config(tmp: Path, **extra: str) -> Any:
+    return parse_config('[checkpointing]\nruns_path = "runs"\nrun_id = "r1"\n'
+                        "[checkpointing.compression]\nthreads = 1\n"
+                        + "".join(f"{k} = {v}\n" for k, v in extra.items()))
+
+
+def test_bad_local_path_fails_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tiers.local = .*missing.* does not exist"):
+        Tiers(_config(tmp_path), {"local": str(tmp_path / "missing" / "{node}"),
+                                  "replicas": 0})
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"is not a directory"):
+        Tiers(_config(tmp_path), {"local": str(afile / "{node}"), "replicas": 0})
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match=r"is not writable"):
+            Tiers(_config(tmp_path), {"local": str(ro), "replicas": 0})
+
+
+def test_one_node_cannot_hold_a_replica(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"replicas = 1 needs at least 2 nodes; this job has 1"):
+        Tiers(_config(tmp_path), {"local": str(tmp_path / "{node}")})
+
+
+def test_delta_chains_are_refused(tmp_path: Path) -> None:
+    cfg = parse_config('[checkpointing]\nruns_path = "runs"\n'
+                       "[checkpointing.compression]\ndelta = true\n")
+    with pytest.raises(ConfigError, match=r"compression.delta"):
+        Tiers(cfg, {"local": str(tmp_path), "replicas": 0})
+
+
+def test_unreachable_remote_is_a_storage_error_at_start(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = parse_config('[checkpointing]\nruns_path = "runs"\n[checkpointing.remote]\n'
+                       f'bucket = "nobucket"\nendpoint_url = "http://127.0.0.1:{port}"\n'
+                       "max_attempts = 1\n")
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    with pytest.raises(StorageError, match=rf"remote tier s3://nobucket/ at http://127.0.0.1:{port}"
+                                           r" is unreachable at start"):
+        Tiers(cfg, {"local": str(tmp_path), "replicas": 0, "commit_timeout_s": 20})
+
+
+# ---------------------------------------------------------------- one process, end to end
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = TinyNet(d=8, vocab=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optimizer": opt}
+
+
+def _train(state: dict[str, Any]) -> None:
+    loss = state["model"](torch.arange(12).reshape(2, 6) % 16).pow(2).mean()
+    state["optimizer"].zero_grad()
+    loss.backward()
+    state["optimizer"].step()
+
+
+def _model(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> None:
+    remote = MemoryStore()
+    table = {"local": str(tmp_path / "node{node}"), "replicas": 0, "keep_local": 2}
+    tiers = Tiers(_config(tmp_path), table, remote=remote)
+    state = _state(1)
+    mgr = tiers.manager(state)
+    saved = {}
+    for step in (1, 2, 3):
+        _train(state)
+        res = mgr.save_nowait(step).result()
+        assert res.status == "committed"
+        saved[step] = _model(state)
+    results = {r.version_id: r for r in tiers.wait()}
+    assert set(results) == {"v000001", "v000002", "v000003"}
+    for r in results.values():
+        assert set(r.reached) == {"local", "remote"} and r.errors == {}
+        assert r.reached["remote"] >= r.reached["local"]
+    root = tmp_path / "node0" / "runs" / "r1"
+    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v000002", "v000003"]
+    assert {p.name for p in (root / "aliases").iterdir()} >= {"latest.json", "latest_local.json"}
+    keys = asyncio.run(remote.list("runs/r1/"))
+    assert "runs/r1/aliases/latest_remote.json" in keys
+    assert sum(k.endswith("/manifest.json") for k in keys) == 3  # no keep_*: the remote keeps all
+    mgr.close()
+    tiers.close()
+
+    # local blob damaged: that blob alone comes from the remote, the rest stays local
+    blob = root / "versions" / "v000003" / "opt_shard_rank0000.bin"
+    data = bytearray(blob.read_bytes())
+    data[-5] ^= 0x01
+    blob.write_bytes(bytes(data))
+    tiers = Tiers(_config(tmp_path), table, remote=remote)
+    fresh = _state(2)
+    mgr = tiers.manager(fresh)
+    assert tiers.restore(mgr) == 3
+    assert tiers.last_sources == {
+        "runs/r1/config/train.toml": "local",
+        "runs/r1/versions/v000003/model.mckp": "local",
+        "runs/r1/versions/v000003/opt_shard_rank0000.bin": "remote",
+        "runs/r1/versions/v000003/rng_rank0000.json": "local"}
+    assert all(torch.equal(v, saved[3][k]) for k, v in _model(fresh).items())
+    mgr.close()
+    tiers.close()
+
+    # the node is gone: everything from the remote, which kept every version
+    import shutil
+    shutil.rmtree(tmp_path / "node0")
+    tiers = Tiers(_config(tmp_path), table, remote=remote)
+    fresh = _state(3)
+    mgr = tiers.manager(fresh)
+    assert tiers.restore(mgr) == 3
+    assert set(tiers.last_sources.values()) == {"remote"}
+    assert all(torch.equal(v, saved[3][k]) for k, v in _model(fresh).items())
+    mgr.close()
+    tiers.close()
+
+
+def test_failed_upload_is_reported_and_keeps_the_local_commit(tmp_path: Path) -> None:
+    remote = MemoryStore()
+    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0},
+                  remote=remote)
+    state = _state(1)
+    mgr = tiers.manager(state)
+    _train(state)
+    remote.inject_fault("put", StorageError("injected: bucket full"), times=1)
+    assert mgr.save_nowait(1).result().status == "committed"
+    (res,) = tiers.wait()
+    assert set(res.reached) == {"local"}
+    assert "rank 0" in res.errors["remote"] and "bucket full" in res.errors["remote"]
+    assert (tmp_path / "n0/runs/r1/versions/v000001/manifest.json").exists()
+    assert mgr.latest_step() == 1
+    mgr.close()
+    tiers.close()
+
+
+def test_file_ownership_from_a_manifest(tmp_path: Path) -> None:
+    assert owner_of("runs/r/versions/v000001/opt_shard_rank0003.bin") == 3
+    assert owner_of("runs/r/versions/v000001/model.mckp") == 0
+    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path), "replicas": 0},
+                  remote=LocalStore(tmp_path / "remote"))
+    state = _state(1)
+    mgr = tiers.manager(state)
+    mgr.save_nowait(1).result()
+    tiers.wait()
+    m = mgr._bg(mgr.catalog.versions())[0]
+    files = owned_files(m)
+    assert set(files) == {0}
+    assert {n.key.rsplit("/", 1)[1] for n in files[0]} == {
+        "model.mckp", "opt_shard_rank0000.bin", "rng_rank0000.json"}
+    assert all(n.xxh64 for n in needed_files(m, 0))
+    mgr.close()
+    tiers.close()
+
+
+class _DeadPeerLink:
+    """Rank 0 of two whose peer is gone: every send fails as gloo's deadline would."""
+
+    rank, world_size = 0, 2
+
+    def all_gather(self, obj: Any, what: str) -> list[Any]:
+        return [obj, None]
+
+    def exchange(self, sends: list[tuple[int, int, bytes]], recvs: list[tuple[int, int]],
+                 what: str) -> dict[int, bytes | memoryview]:
+        from mithril_async.errors import DistributedError
+        assert sends and not recvs  # rank 0 sends its blobs, holds nothing here
+        raise DistributedError(f"rank 0/2: {what} failed within 1s")
+
+    def close(self) -> None:
+        return None
+
+
+def test_replication_to_a_dead_peer_names_rank_and_tier(tmp_path: Path) -> None:
+    from mithril_async.errors import DistributedError
+
+    first = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0})
+    state = _state(1)
+    mgr = first.manager(state)
+    mgr.save_nowait(1).result()
+    first.wait()
+    m = mgr._bg(mgr.catalog.versions())[0]
+    key = mgr.layout.manifest_key(1)
+    payload = mgr._bg(first.manifest_payload(key))
+    mgr.close()
+    first.close()
+    two = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 1},
+                link=_DeadPeerLink(), node_map=NodeMap((0, 1)))
+    two.layout = first.layout
+    assert two.holders == [1]
+    want = (r"v000001: tier replicated failed: rank 0: DistributedError: .*"
+            r"copies to/from rank\(s\) \[1\] \(tier replicated\)")
+    with pytest.raises(DistributedError, match=want):
+        two._loop.run(two._replicate(payload, m))
+    two.close()
+
+
+def test_tiers_table_in_the_toml(tmp_path: Path) -> None:
+    cfg = parse_config(f'[checkpointing]\nruns_path = "runs"\n[checkpointing.tiers]\n'
+                       f'local = "{tmp_path}/nvme/{{node}}"\nreplicas = 0\nkeep_local = 3\n')
+    (tmp_path / "nvme").mkdir()
+    tiers = Tiers(cfg)
+    assert tiers.tcfg.keep_local == 3 and tiers.root == tmp_path / "nvme" / "0"
+    tiers.close()
+    bad = parse_config('[checkpointing]\n[checkpointing.tiers]\nlocal = "/x"\nreplica = 1\n')
+    with pytest.raises(ConfigError, match=r"checkpointing.tiers.replica: Extra inputs"):
+        Tiers(bad)
+    with pytest.raises(ConfigError, match=r"checkpointing.tiers is not set"):
+        Tiers(parse_config("[checkpointing]\n"))
+
+
+def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Path) -> None:
+    remote = MemoryStore()
+    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0,
+                                      "keep_local": 1}, remote=remote)
+    state = _state(1)
+    mgr = tiers.manager(state)
+    versions = tmp_path / "n0" / "runs" / "r1" / "versions"
+    mgr.save_nowait(1).result()
+    tiers.wait()
+    remote.inject_fault("put", StorageError("injected: bucket unreachable"), times=2)
+    for step in (2, 3):
+        _train(state)
+        mgr.save_nowait(step).result()
+        tiers.wait()
+    res = tiers.results
+    assert "remote" in res["v000001"].reached
+    assert "remote" in res["v000002"].errors and "remote" in res["v000003"].errors
+    # keep_local = 1 keeps v3, and v1 stays: the only version a lost node could come back to
+    assert sorted(p.name for p in versions.iterdir()) == ["v000001", "v000003"]
+    _train(state)
+    mgr.save_nowait(4).result()  # uploads work again: v4 is durable, v1 may go
+    tiers.wait()
+    assert "remote" in res["v000004"].reached
+    assert sorted(p.name for p in versions.iterdir()) == ["v000004"]
+    mgr.close()
+    tiers.close()
