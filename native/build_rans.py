@@ -1,5 +1,9 @@
 """cffi (API mode) build of the rANS plane coders -> ``mithril_async._rans``.
 
+It also compiles ``chunkenc.c``: every plane of a float chunk coded in one call (rANS, and the
+XXH3 / zlib-ng / zstd of the Python modules, by address), so that a chunk's coding runs with
+the GIL released from start to end (``codec/rans.py``: ``encode_planes``, ``encode_batch``).
+
 Listed in ``setup.py``'s ``cffi_modules`` next to the kernels so ``pip install`` compiles it;
 ``python native/build_rans.py`` builds it in place for development.  Without it the codec
 still works: it writes Huffman-only deflate planes instead, and decodes RANS planes with a
@@ -31,6 +35,23 @@ size_t mr2_encode_cap(size_t n, size_t limit);
 int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
 int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
 int mr_set_level(int level);
+int mc_set_env(uintptr_t xxh3, uintptr_t zinit, uintptr_t zdeflate, uintptr_t zreset,
+               uintptr_t zend, const char *zversion);
+int mc_ready(void);
+int mc_set_zstd(uintptr_t create, uintptr_t free_, uintptr_t setp, uintptr_t compress2,
+                uintptr_t iserr);
+size_t mc_arena_cap(const uint64_t *sizes, int nplanes);
+int64_t mc_encode_planes(const uint8_t *raw, size_t raw_size, uint8_t *planes,
+                         const uint64_t *sizes, int nplanes, double raw_bits,
+                         double huff_min_bits, double min_gain, int level, uint8_t *arena,
+                         size_t cap, uint8_t *dst, uint8_t *methods, uint64_t *lens,
+                         uint64_t *hashes);
+size_t mc_batch_cap(const uint64_t *sizes, const int32_t *nplanes, size_t nchunks);
+int64_t mc_encode_batch(size_t nchunks, const uintptr_t *raws, const uint64_t *raw_sizes,
+                        uint8_t *planes, const uint64_t *sizes, const int32_t *nplanes,
+                        double raw_bits, double huff_min_bits, double min_gain, int level,
+                        uint8_t *arena, size_t cap, uint8_t *methods, uint64_t *lens,
+                        uint64_t *hashes, uint64_t *stored);
 """
 
 
@@ -44,11 +65,11 @@ def make_builder(absolute_paths: bool = False) -> FFI:
     builder.cdef(CDEF)
     builder.set_source(
         "mithril_async._rans",
-        '#include "rans.h"',
-        sources=[path(os.path.join(_HERE, "rans.c"))],
+        '#include "rans.h"\n#include "chunkenc.h"',
+        sources=[path(os.path.join(_HERE, "rans.c")), path(os.path.join(_HERE, "chunkenc.c"))],
         include_dirs=[path(_HERE)],
-        depends=[path(os.path.join(_HERE, "rans.h"))],
-        libraries=[] if sys.platform == "win32" else ["m"],
+        depends=[path(os.path.join(_HERE, "rans.h")), path(os.path.join(_HERE, "chunkenc.h"))],
+        libraries=[] if sys.platform == "win32" else ["m", "pthread"],
         extra_compile_args=["/O2"] if sys.platform == "win32" else ["-O3", "-std=c99"],
     )
     return builder

@@ -19,20 +19,22 @@ XXH3-64 since MCKP version 2 (XXH64 in version 1; see :func:`chunk_hasher`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from mithril_async.codec import rans
 from mithril_async.codec.dtypes import dtype_info
-from mithril_async.codec.entropy import decode_plane, encode_plane
+from mithril_async.codec.entropy import MIN_GAIN, decode_plane, encode_plane
 from mithril_async.codec.params import CodecParams
 from mithril_async.codec.transforms import CHOICE_ORDER, REGISTRY, ChunkTransform, Transform
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, ShapeMismatch
 
 __all__ = [
+    "BATCH_CHUNK_BYTES",
     "CHUNK_HASH_VERSION",
     "DELTA_BIT",
     "CodecParams",
@@ -44,6 +46,7 @@ __all__ = [
     "chunk_spans",
     "decode_chunk",
     "encode_chunk",
+    "encode_chunks",
     "plane_sizes",
     "transform_bytes",
     "transform_for",
@@ -186,18 +189,31 @@ def transform_bytes(src: U8, transform: Transform, width: int, base: U8 | None,
 
 
 def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> EncodedChunk:
-    """Encode the raw bytes ``src`` of one chunk (``base``: same-size bytes to XOR with)."""
+    """Encode the raw bytes ``src`` of one chunk (``base``: same-size bytes to XOR with).
+
+    Float chunks are coded by one native call for all their planes and both hashes, with the
+    GIL released (``rans.encode_planes``; a plane that asks for a zstd try comes back to
+    :func:`~mithril_async.codec.entropy.encode_plane`), so codec threads scale; other chunks,
+    and every chunk without that native coder, go plane by plane.  Both write the same bytes.
+    """
     raw_size = src.size
     if base is not None and base.size != raw_size:
         raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
-    digest, stream = _HASHERS[CHUNK_HASH_VERSION]
-    raw_xxh = digest(src.data)
     transform, width, mode = choose_transform(dtype_name, raw_size, params)
     buf = transform_bytes(src, transform, width, base, out=_scratch("enc", raw_size))
+    sizes = plane_sizes(transform, width, raw_size)
+    tbyte = int(transform) | (DELTA_BIT if base is not None else 0)
+    if mode == "float" and rans.planes_available():
+        if buf is src:  # NONE without a base: the native coder compacts its planes in place
+            buf = _scratch("enc", raw_size)
+            np.copyto(buf, src)
+        return _encode_native(src, buf, sizes, tbyte, width, params)
+    digest, stream = _HASHERS[CHUNK_HASH_VERSION]
+    raw_xxh = digest(src.data)
     parts: list[Any] = []
     planes: list[tuple[int, int]] = []
     off = 0
-    for n in plane_sizes(transform, width, raw_size):
+    for n in sizes:
         method, data = encode_plane(buf[off:off + n], level=params.level, mode=mode,
                                     raw_bits=params.raw_bits,
                                     huff_min_bits=params.huff_min_bits)
@@ -209,9 +225,98 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
     h = stream()
     for part in parts:
         h.update(part)
-    meta = ChunkMeta(int(transform) | (DELTA_BIT if base is not None else 0), width, raw_size,
-                     raw_xxh, h.intdigest(), tuple(planes), CHUNK_HASH_VERSION)
+    meta = ChunkMeta(tbyte, width, raw_size, raw_xxh, h.intdigest(), tuple(planes),
+                     CHUNK_HASH_VERSION)
     return EncodedChunk(meta, tuple(parts))
+
+
+#: chunks up to this size are coded together by :func:`encode_chunks`, one native call per
+#: batch (their per-call costs, not their bytes, dominate their coding time)
+BATCH_CHUNK_BYTES = 64 << 10
+
+
+def encode_chunks(items: Sequence[tuple[U8, str, U8 | None]], params: CodecParams
+                  ) -> list[EncodedChunk]:
+    """:func:`encode_chunk` of every ``(src, dtype_name, base)``, in order; the float chunks
+    in one native call with the GIL released (meant for batches of small chunks, each of
+    which would otherwise pay a pool task, a native call and their Python; the bytes are the
+    same)."""
+    out: list[EncodedChunk | None] = [None] * len(items)
+    batch: list[tuple[int, int, int, list[int]]] = []  # index, transform byte, width, sizes
+    total = 0
+    native = rans.planes_available()
+    for i, (src, dtype_name, base) in enumerate(items):
+        if base is not None and base.size != src.size:
+            raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {src.size}")
+        transform, width, mode = choose_transform(dtype_name, src.size, params)
+        if mode != "float" or not native or not src.size:
+            out[i] = encode_chunk(src, dtype_name, base, params)
+            continue
+        tbyte = int(transform) | (DELTA_BIT if base is not None else 0)
+        batch.append((i, tbyte, width, plane_sizes(transform, width, src.size)))
+        total += src.size
+    if batch:
+        planes = _scratch("batch", total)
+        raws: list[U8] = []
+        off = 0
+        for i, tbyte, width, _ in batch:
+            src, _, base = items[i]
+            dst = planes[off:off + src.size]
+            got = transform_bytes(src, Transform(tbyte & ~DELTA_BIT), width, base, out=dst)
+            if got is not dst:  # NONE without a base hands back its input
+                np.copyto(dst, got)
+            raws.append(src)
+            off += src.size
+        stored, results = rans.encode_batch(
+            raws, planes, [b[3] for b in batch], raw_bits=params.raw_bits,
+            huff_min_bits=params.huff_min_bits, min_gain=MIN_GAIN, level=params.level)
+        view = memoryview(stored)  # type: ignore[arg-type]
+        for (i, tbyte, width, sizes), (methods, lens, raw_xxh, pxxh, soff, _) in zip(
+                batch, results, strict=True):
+            out[i] = _assemble(view, soff, sizes, methods, lens, tbyte, width, raw_xxh, pxxh,
+                               params)
+    return [e for e in out if e is not None]
+
+
+def _assemble(stored: memoryview, off: int, sizes: list[int], methods: list[int],
+              lens: list[int], tbyte: int, width: int, raw_xxh: int, payload_xxh: int,
+              params: CodecParams) -> EncodedChunk:
+    """An :class:`EncodedChunk` from what the native coder returned for one chunk (its stored
+    planes from ``stored[off:]``), coding any plane it left over (kept there as is)."""
+    parts: list[Any] = []
+    meta_planes: list[tuple[int, int]] = []
+    left_over = False
+    for method, ln in zip(methods, lens, strict=True):
+        data: Any = stored[off:off + ln]
+        off += ln
+        if method == rans.PLANE_PYTHON:  # its zstd try: the per-plane coder
+            plane = np.frombuffer(data, np.uint8)
+            method, data = encode_plane(plane, level=params.level, mode="float",
+                                        raw_bits=params.raw_bits,
+                                        huff_min_bits=params.huff_min_bits)
+            if isinstance(data, np.ndarray):
+                data = data.tobytes()
+            left_over = True
+        parts.append(data)
+        meta_planes.append((int(method), len(data)))
+    if left_over:
+        h = _HASHERS[CHUNK_HASH_VERSION][1]()
+        for part in parts:
+            h.update(part)
+        payload_xxh = h.intdigest()
+    meta = ChunkMeta(tbyte, width, sum(sizes), raw_xxh, payload_xxh, tuple(meta_planes),
+                     CHUNK_HASH_VERSION)
+    return EncodedChunk(meta, tuple(parts))
+
+
+def _encode_native(src: U8, buf: U8, sizes: list[int], tbyte: int, width: int,
+                   params: CodecParams) -> EncodedChunk:
+    """:func:`encode_chunk` of a float chunk: its planes ``buf`` coded in one native call."""
+    stored, methods, lens, raw_xxh, payload_xxh = rans.encode_planes(
+        src, buf, sizes, raw_bits=params.raw_bits, huff_min_bits=params.huff_min_bits,
+        min_gain=MIN_GAIN, level=params.level)
+    return _assemble(memoryview(stored), 0, sizes,  # type: ignore[arg-type]
+                     methods, lens, tbyte, width, raw_xxh, payload_xxh, params)
 
 
 def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, out: U8, *,

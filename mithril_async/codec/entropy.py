@@ -32,7 +32,8 @@ import zstandard
 from mithril_async.codec import rans
 from mithril_async.errors import CompressionError, InvalidFormat
 
-__all__ = ["HUFF_BACKENDS", "PlaneMethod", "decode_plane", "encode_plane", "sample_entropy"]
+__all__ = ["HUFF_BACKENDS", "MIN_GAIN", "NATIVE_PLANES", "PlaneMethod", "decode_plane",
+           "encode_plane", "sample_entropy"]
 
 # Huffman-only deflate is a standard format, so the fastest available implementation can be
 # used on each side: zlib-ng encodes ~1.7x faster than zlib, libdeflate decodes ~1.5-2x
@@ -55,6 +56,61 @@ HUFF_BACKENDS = {
     "encode": "zlib-ng" if _zlib_enc is not zlib else "zlib",
     "decode": "libdeflate" if _inflate_exact is not None else "zlib",
 }
+
+
+def _bind_native_coders() -> bool:
+    """Give the native chunk coder (``rans.encode_planes``) the XXH3 and Huffman-only deflate
+    of the modules this file uses (python-xxhash, python-zlib-ng), by address, so the one-call
+    path writes the very bytes the per-plane path writes.  False (the per-plane path stays)
+    when the deflate in use is not zlib-ng's or a symbol is missing."""
+    if _zlib_enc is zlib or not rans.NATIVE_V2:
+        return False
+    try:
+        import ctypes
+
+        import xxhash._xxhash as xx
+        import zlib_ng.zlib_ng as zng
+
+        xl, zl = ctypes.CDLL(xx.__file__), ctypes.CDLL(zng.__file__)
+
+        def addr(lib: Any, name: str) -> int:
+            return int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
+
+        version = zl.zlibng_version
+        version.restype = ctypes.c_char_p
+        bound = rans.bind_coders(addr(xl, "XXH3_64bits"), addr(zl, "zng_deflateInit2_"),
+                                 addr(zl, "zng_deflate"), addr(zl, "zng_deflateReset"),
+                                 addr(zl, "zng_deflateEnd"), version())
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - unusual installs
+        return False
+    if bound:
+        _bind_zstd()
+    return bound
+
+
+def _bind_zstd() -> bool:
+    """zstd for the native chunk coder: the cffi backend of python-zstandard exports the zstd
+    it bundles; used only when it is the very release the C backend (what ``_zc`` codes
+    with) reports, so the bytes match.  Without it, low-entropy planes come back to Python."""
+    try:
+        import zstandard._cffi as zc
+    except ImportError:  # pragma: no cover - wheel without the cffi backend
+        return False
+    major, minor, patch = zstandard.ZSTD_VERSION
+    if (zstandard.backend != "cext"
+            or int(zc.lib.ZSTD_versionNumber()) != major * 10000 + minor * 100 + patch):
+        return False  # pragma: no cover - mismatched builds
+
+    def addr(name: str) -> int:
+        return int(zc.ffi.cast("uintptr_t", zc.ffi.addressof(zc.lib, name)))
+
+    return rans.bind_zstd(addr("ZSTD_createCCtx"), addr("ZSTD_freeCCtx"),
+                          addr("ZSTD_CCtx_setParameter"), addr("ZSTD_compress2"),
+                          addr("ZSTD_isError"))
+
+
+#: Whether whole chunks can be coded in one native call (``rans.encode_planes``, ``encode_batch``).
+NATIVE_PLANES = _bind_native_coders()
 _CODER_ERRORS: tuple[type[Exception], ...] = (zstandard.ZstdError, zlib.error) + (
     (_libdeflate.DeflateError,) if _libdeflate is not None else ())
 
@@ -72,8 +128,10 @@ class PlaneMethod(IntEnum):
     RANS32 = 5  # order-0 rANS format v2 (32 x 32-bit states, one stream; SIMD decoder)
 
 
-_SMALL_PLANE = 16384
-_SAMPLE = 16384
+_SMALL_PLANE = 16384  # (native/chunkenc.c: SMALL_PLANE)
+#: a coded plane must save this fraction of its size or it is stored raw
+MIN_GAIN = 0.01
+_SAMPLE = 16384  # (native/chunkenc.c: SAMPLE)
 _LOG2 = np.log2(np.arange(1, 1 << 17, dtype=np.float64))
 _tls = threading.local()
 
@@ -127,7 +185,8 @@ def _huff(plane: U8) -> bytes:
 
 
 def encode_plane(plane: U8, *, level: int, mode: str, raw_bits: float,
-                 huff_min_bits: float, min_gain: float = 0.01) -> tuple[PlaneMethod, bytes | U8]:
+                 huff_min_bits: float, min_gain: float = MIN_GAIN
+                 ) -> tuple[PlaneMethod, bytes | U8]:
     """Code one plane; returns the method and its stored bytes (never longer than the plane).
 
     ``mode``: ``"float"`` (planes of float dtypes: skew, no repeats) codes with rANS, and also

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from mithril_async.errors import InvalidFormat
+from mithril_async.errors import CompressionError, InvalidFormat
 
 __all__ = ["NATIVE", "decode", "encode", "format_of", "sample_entropy", "set_level"]
 
@@ -256,3 +256,121 @@ def _decode_py(b: bytes, out: U8, where: str) -> None:
         out[blk << BLOCK_LOG:(blk << BLOCK_LOG) + blen] = np.frombuffer(bytes(res), np.uint8)
     if off != len(b):
         raise bad("trailing bytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# every plane of a chunk in one native call (native/chunkenc.c)
+
+#: ``methods`` value of a plane :func:`encode_planes` left to the caller (it wants a zstd try)
+PLANE_PYTHON = 255
+_HAS_PLANES = NATIVE_V2 and hasattr(_lib, "mc_encode_planes")
+_env_ok = False
+
+
+def bind_coders(xxh3: int, zinit: int, zdeflate: int, zreset: int, zend: int,
+                zversion: bytes) -> bool:
+    """Hand the native chunk coder the addresses of XXH3_64bits and zlib-ng's deflate entry
+    points (resolved by :mod:`~mithril_async.codec.entropy` from the very modules the Python
+    path calls, so both paths write the same bytes).  Whether :func:`encode_planes` may run."""
+    global _env_ok
+    if not _HAS_PLANES:
+        return False
+    _env_ok = int(_lib.mc_set_env(xxh3, zinit, zdeflate, zreset, zend, zversion)) == 0
+    return _env_ok
+
+
+def bind_zstd(create: int, free: int, setp: int, compress2: int, iserr: int) -> bool:
+    """Hand the native chunk coder zstd's entry points (of the zstd python-zstandard uses):
+    it then tries zstd on low-entropy planes itself instead of leaving them to Python."""
+    return _HAS_PLANES and int(_lib.mc_set_zstd(create, free, setp, compress2, iserr)) == 0
+
+
+def planes_available() -> bool:
+    """Whether :func:`encode_planes` runs (extension built with it, coders bound, and the
+    native rANS coder not switched off, e.g. by a test)."""
+    return _env_ok and NATIVE and NATIVE_V2
+
+
+def encode_planes(raw: U8, planes: U8, sizes: list[int], *, raw_bits: float,
+                  huff_min_bits: float, min_gain: float, level: int
+                  ) -> tuple[U8, list[int], list[int], int, int]:
+    """Code the consecutive ``planes`` of one chunk (``sizes`` bytes each) in one native call
+    with the GIL released, as ``entropy.encode_plane(mode="float")`` would one by one.
+
+    ``planes`` is a scratch buffer: the stored planes are compacted into it in place.
+    Returns ``(stored, methods, lengths, raw_hash, payload_hash)``: the stored planes back to
+    back (an exactly sized copy), each plane's method and stored length (``PLANE_PYTHON``: not
+    coded, the plane itself in its place in ``stored``, for the caller to code; then
+    ``payload_hash`` is 0) and the XXH3-64 of ``raw`` and of ``stored``.
+    """
+    k = len(sizes)
+    sz = np.asarray(sizes, np.uint64)
+    psz = _ffi.cast("uint64_t *", sz.ctypes.data)
+    arena = _arena(int(_lib.mc_arena_cap(psz, k)))
+    meta = np.zeros(k * 9 + 16, np.uint8)  # lens (u64 x k), hashes (u64 x 2), methods (u8 x k)
+    lens = meta[:8 * k].view(np.uint64)
+    hashes = meta[8 * k:8 * k + 16].view(np.uint64)
+    methods = meta[8 * k + 16:]
+    pp = _ffi.from_buffer("uint8_t[]", planes, require_writable=True)
+    got = int(_lib.mc_encode_planes(
+        _ffi.from_buffer("uint8_t[]", raw), raw.size, pp, psz, k, raw_bits, huff_min_bits,
+        min_gain, level, _ffi.from_buffer("uint8_t[]", arena, require_writable=True),
+        arena.size, pp, _ffi.cast("uint8_t *", methods.ctypes.data),
+        _ffi.cast("uint64_t *", lens.ctypes.data), _ffi.cast("uint64_t *", hashes.ctypes.data)))
+    if got < 0:
+        raise CompressionError(f"native chunk coder failed (code {got})")
+    # an exactly sized copy (numpy copies without the GIL): the scratch is reused
+    return (planes[:got].copy(), methods.tolist(), lens.tolist(), int(hashes[0]),
+            int(hashes[1]))
+
+
+def _arena(cap: int) -> U8:
+    """The calling thread's coder workspace of at least ``cap`` bytes (reused: no page faults
+    per chunk)."""
+    arena: U8 | None = getattr(_tls, "arena", None)
+    if arena is None or arena.size < cap:
+        arena = _tls.arena = np.empty(max(cap, 1 << 16), np.uint8)
+    return arena
+
+
+def encode_batch(raws: list[U8], planes: U8, sizes: list[list[int]], *, raw_bits: float,
+                 huff_min_bits: float, min_gain: float, level: int
+                 ) -> tuple[U8, list[tuple[list[int], list[int], int, int, int, int]]]:
+    """:func:`encode_planes` for many chunks in one native call (a batch of small chunks: the
+    call's fixed cost and the GIL round trip are paid once).  ``planes``: every chunk's planes
+    back to back, chunk ``c`` having ``sizes[c]`` (a scratch buffer, compacted in place).
+    Returns the stored bytes of all chunks back to back and per chunk ``(methods, lengths,
+    raw_hash, payload_hash, offset, size)`` (its stored bytes are
+    ``stored[offset:offset + size]``)."""
+    nc = len(raws)
+    counts = np.asarray([len(s) for s in sizes], np.int32)
+    flat = np.asarray([n for s in sizes for n in s], np.uint64)
+    k = flat.size
+    psz = _ffi.cast("uint64_t *", flat.ctypes.data)
+    pcounts = _ffi.cast("int32_t *", counts.ctypes.data)
+    arena = _arena(int(_lib.mc_batch_cap(psz, pcounts, nc)))
+    ptrs = np.asarray([r.ctypes.data for r in raws], np.uint64)
+    rsz = np.asarray([r.size for r in raws], np.uint64)
+    words = np.zeros(k + 3 * nc, np.uint64)  # lens (k), hashes (2 per chunk), stored (nc)
+    methods = np.zeros(k, np.uint8)
+    got = int(_lib.mc_encode_batch(
+        nc, _ffi.cast("uintptr_t *", ptrs.ctypes.data), _ffi.cast("uint64_t *", rsz.ctypes.data),
+        _ffi.from_buffer("uint8_t[]", planes, require_writable=True), psz, pcounts, raw_bits,
+        huff_min_bits, min_gain, level,
+        _ffi.from_buffer("uint8_t[]", arena, require_writable=True), arena.size,
+        _ffi.cast("uint8_t *", methods.ctypes.data), _ffi.cast("uint64_t *", words.ctypes.data),
+        _ffi.cast("uint64_t *", words[k:].ctypes.data),
+        _ffi.cast("uint64_t *", words[k + 2 * nc:].ctypes.data)))
+    if got < 0:
+        raise CompressionError(f"native chunk coder failed (code {got})")
+    stored = planes[:got].copy()
+    mlist, wl = methods.tolist(), words.tolist()
+    res = []
+    p = off = 0
+    for c in range(nc):
+        n = int(counts[c])
+        size = wl[k + 2 * nc + c]
+        res.append((mlist[p:p + n], wl[p:p + n], wl[k + 2 * c], wl[k + 2 * c + 1], off, size))
+        p += n
+        off += size
+    return stored, res

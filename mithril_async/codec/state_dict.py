@@ -21,7 +21,13 @@ import numpy as np
 import torch
 import xxhash
 
-from mithril_async.codec.chunk import CodecParams, decode_chunk, encode_chunk
+from mithril_async.codec.chunk import (
+    BATCH_CHUNK_BYTES,
+    CodecParams,
+    decode_chunk,
+    encode_chunk,
+    encode_chunks,
+)
 from mithril_async.codec.container import (
     BlockRef,
     MckpInfo,
@@ -100,21 +106,34 @@ def compress_state_dict(
         views.append((raw, base, dname))
     writer = MckpWriter(entries, params=p, previous_checkpoint_hash=previous_checkpoint_hash,
                         training_step=step, metadata=metadata)
-    jobs = [(ti, ci) for ti, e in enumerate(entries) for ci in range(len(e.chunks))]
+    # small chunks travel in batches (one pool task, one native call each: encode_chunks)
+    jobs: list[list[tuple[int, int]]] = []
+    batch_bytes = BATCH_CHUNK_BYTES
+    for ti, e in enumerate(entries):
+        for ci, (_, ln) in enumerate(e.chunks):
+            if ln > BATCH_CHUNK_BYTES or not jobs or batch_bytes + ln > 16 * BATCH_CHUNK_BYTES:
+                jobs.append([])
+                batch_bytes = 0
+            jobs[-1].append((ti, ci))
+            batch_bytes += ln if ln <= BATCH_CHUNK_BYTES else 16 * BATCH_CHUNK_BYTES
 
-    def work(job: tuple[int, int]) -> Any:
-        ti, ci = job
+    def chunk(ti: int, ci: int) -> tuple[U8, str, U8 | None]:
         raw, base, dname = views[ti]
         off, ln = entries[ti].chunks[ci]
-        return encode_chunk(raw[off:off + ln], dname,
-                            None if base is None else base[off:off + ln], p)
+        return raw[off:off + ln], dname, None if base is None else base[off:off + ln]
+
+    def work(job: list[tuple[int, int]]) -> Any:
+        if len(job) == 1:
+            return [encode_chunk(*chunk(*job[0]), p)]
+        return encode_chunks([chunk(ti, ci) for ti, ci in job], p)
 
     parts: list[Any] = [writer.begin()]
-    order = iter(jobs)
+    order = iter([j for job in jobs for j in job])
 
-    def add(enc: Any) -> None:
-        ti, ci = next(order)
-        parts.extend(writer.add_parts(ti, ci, enc))
+    def add(encs: Any) -> None:
+        for enc in encs:
+            ti, ci = next(order)
+            parts.extend(writer.add_parts(ti, ci, enc))
 
     _each(work, jobs, threads, add)
     parts.append(writer.finish())
