@@ -97,9 +97,11 @@ def methods(threads: int) -> dict[str, Method]:
         "dcp plain": (lambda: {}, lambda: None, lambda: None),
         "dcp + ZStandard ext": (lambda: {"_extensions": [ZStandard()]}, lambda: None,
                                 lambda: None),
-        "mithril (1 thread)": (lambda: {}, lambda: MithrilSavePlanner(3, threads=1),
+        "mithril (1 thread)": (lambda: {},
+                               lambda: MithrilSavePlanner(compression_level=3, threads=1),
                                lambda: MithrilLoadPlanner()),
-        f"mithril ({threads} threads)": (lambda: {}, lambda: MithrilSavePlanner(3, threads=None),
+        f"mithril ({threads} threads)": (lambda: {},
+                                         lambda: MithrilSavePlanner(compression_level=3),
                                          lambda: MithrilLoadPlanner()),
     }
 

@@ -1,38 +1,57 @@
 """Hugging Face ``transformers.Trainer`` callback: background compressed checkpoints + resume.
 
     cb = MithrilTrainerCallback("runs", every_n_steps=500)       # or every_n_steps=None:
-    trainer = Trainer(..., args=TrainingArguments(save_strategy="no", save_total_limit=3),
-                      callbacks=[cb])                              # save when the Trainer saves
-    trainer.train(resume_from_checkpoint=cb.prepare_resume(trainer.args))   # None: fresh start
+    trainer = Trainer(..., args=TrainingArguments(..., save_total_limit=3),
+                      callbacks=[cb])                              # save when the Trainer would
+    trainer.train(resume_from_checkpoint=True)     # the usual idiom: resumes from our latest
 
-Saving: at every N optimizer steps (``on_step_end``), or whenever the Trainer itself saves
-(``on_save``, when ``every_n_steps`` is None), the callback hands model, optimizer, scheduler,
-the ``TrainerState`` and the RNG state to a :class:`~mithril_async.CheckpointManager`, which
+Saving: at every N optimizer steps, or (``every_n_steps=None``) whenever the Trainer's
+``save_strategy`` asks for a checkpoint, the callback hands model, optimizer, scheduler, the
+``TrainerState`` and the RNG state to a :class:`~mithril_async.CheckpointManager`, which
 returns after a snapshot; compression and writing continue in the background while training
-goes on. ``save_total_limit`` keeps the newest N versions, and the best version (by
+goes on. The callback owns saving: it clears ``control.should_save``, so the Trainer writes no
+full checkpoint of its own beside ours (``keep_hf_checkpoints=True`` keeps them; with
+``save_strategy="best"`` the Trainer decides after every callback has run, so its checkpoints
+are kept then). ``save_total_limit`` keeps the newest N versions, and the best version (by
 ``metric_for_best_model``/``greater_is_better``, from the last evaluation) is never deleted,
 as the Trainer does. A failed background save is raised at the next save or at the end of
 training, never swallowed.
 
-Resuming: ``prepare_resume`` materialises a committed version as an ordinary Trainer
-checkpoint folder (``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``,
-``trainer_state.json``, ``rng_state.pth``) under ``<output_dir>/mithril-resume/`` and returns
-its path for ``resume_from_checkpoint``, so the Trainer's own resume logic (data skipping, RNG,
-schedulers) runs unchanged. Why not restore in a callback: the Trainer reads the folder before
-any callback runs. Only world process zero saves (replicated data parallel); sharded models
-(FSDP/DeepSpeed ZeRO-3) are not supported here.
+When a step's snapshot is taken: the Trainer calls ``on_step_end`` *before* it logs, evaluates
+and saves that step, so a snapshot there would miss the step's ``log_history`` entry. The
+callback marks the step due in ``on_step_end`` and takes the snapshot at the next event that
+follows the step's logging and evaluation: ``on_step_begin`` of the next step (after its
+batch was fetched, which is where the Trainer restores the RNG when it resumes mid-epoch),
+``on_epoch_begin`` of the next epoch (before its data order is drawn, where the Trainer
+restores it at an epoch boundary) or ``on_train_end``. Model, optimizer and scheduler have not
+moved since the step.
+
+Resuming with ``trainer.train(resume_from_checkpoint=True)``: the Trainer looks for
+``<output_dir>/checkpoint-<step>`` before any callback runs, so at ``on_init_end`` (the
+Trainer's construction) the callback materialises only what the Trainer itself reads there
+from our latest committed version: ``model.safetensors``, ``trainer_state.json`` and
+``rng_state.pth`` (logged with its size; ``resume_info`` records it). The optimizer and
+scheduler states, the bulk of a checkpoint, are never written out: the Trainer loads them only
+when ``optimizer.pt`` exists, and the callback loads them into the live objects in
+``on_train_begin``, where it also removes the model file and state; the folder (its RNG file)
+goes once the Trainer has read it, at the first step. A later HF checkpoint in ``output_dir``
+(a higher step) wins as usual; ``resume_target=None`` turns this off. Only world process zero
+saves (replicated data parallel); sharded models (FSDP/DeepSpeed ZeRO-3) are not supported.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,9 +61,14 @@ from mithril_async.config import Config, config_from_dict
 from mithril_async.errors import StepAlreadyExists
 from mithril_async.manager import CheckpointManager
 
-__all__ = ["MithrilTrainerCallback"]
+__all__ = ["MithrilTrainerCallback", "write_hf_checkpoint"]
 
 log = logging.getLogger("mithril_async")
+
+T = TypeVar("T")
+
+#: the marker file of a folder this callback materialised (so only such folders are removed)
+_MARKER = ".mithril-resume"
 
 
 class _TrainerStateItem:
@@ -67,14 +91,26 @@ class MithrilTrainerCallback(TrainerCallback):
 
     def __init__(self, runs_path: str | os.PathLike[str], *, run_id: str | None = None,
                  every_n_steps: int | None = None, compression_level: int = 3,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, keep_hf_checkpoints: bool = False,
+                 resume_target: str | int | None = "latest") -> None:
+        if every_n_steps is not None and (isinstance(every_n_steps, bool)
+                                          or not isinstance(every_n_steps, int)
+                                          or every_n_steps < 1):
+            raise ValueError(f"MithrilTrainerCallback: every_n_steps must be a positive int or "
+                             f"None, got {every_n_steps!r}")
         self.runs_path = os.fspath(runs_path)
         self.run_id = run_id
         self.every_n_steps = every_n_steps
         self.compression_level = compression_level
         self.extra_config = dict(config or {})
+        self.keep_hf_checkpoints = keep_hf_checkpoints
+        self.resume_target = resume_target
         self.manager: CheckpointManager | None = None
         self._metrics: dict[str, Any] = {}
+        self._due = False
+        #: the folder materialised for the Trainer's resume: path, step, files, bytes
+        self.resume_info: dict[str, Any] | None = None
+        self._resume_version: str | None = None
 
     # ---------------------------------------------------------------- config
     def _run_id(self, args: TrainingArguments) -> str:
@@ -117,66 +153,206 @@ class MithrilTrainerCallback(TrainerCallback):
             log.warning("step %d is already saved in run %s; not saved again",
                         state.global_step, mgr.run_id)
 
+    def _flush(self, args: TrainingArguments, state: TrainerState,
+               kwargs: dict[str, Any]) -> None:
+        """Take the snapshot of a due step (its logs and evaluation are in the state now)."""
+        if self._due:
+            self._due = False
+            self._save(args, state, kwargs)
+
+    def _take_over(self, control: TrainerControl, due: bool) -> None:
+        if due:
+            self._due = True
+        if control.should_save and not self.keep_hf_checkpoints:
+            control.should_save = False  # ours replaces the Trainer's full checkpoint
+
     # ---------------------------------------------------------------- events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        if self.resume_target is None or not state.is_world_process_zero:
+            return
+        try:
+            self._materialize(args, self.resume_target)
+        except Exception:  # building a Trainer must not fail on a run it may not resume
+            log.exception("could not prepare %s of run %s for the Trainer's resume (a "
+                          "resume_from_checkpoint=True will find no checkpoint of ours)",
+                          self.resume_target, self._run_id(args))
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        info = self.resume_info
+        if info is None:
+            return
+        resumed = state.global_step == info["step"] and state.global_step > 0
+        if resumed:  # the Trainer loaded model and state from our folder: now the rest
+            self._load_optimizer_and_scheduler(args, kwargs)
+        folder = Path(info["path"])
+        for name in ("model.safetensors", "trainer_state.json"):
+            (folder / name).unlink(missing_ok=True)
+        if not resumed:
+            self._remove_resume_folder()
+
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if metrics:
             self._metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:
+        self._remove_resume_folder()  # the Trainer has read its RNG file by now
+        self._flush(args, state, kwargs)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, **kwargs: Any) -> None:
+        self._flush(args, state, kwargs)
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if self.every_n_steps and state.global_step % self.every_n_steps == 0:
-            self._save(args, state, kwargs)
+        if self.every_n_steps:
+            due = state.global_step % self.every_n_steps == 0
+        else:
+            due = control.should_save  # the Trainer's save_strategy decided (steps, end)
+        self._take_over(control, due)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over(control, not self.every_n_steps and control.should_save)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
-        if not self.every_n_steps:
-            self._save(args, state, kwargs)
+        """The Trainer saved anyway (``keep_hf_checkpoints``, ``save_strategy="best"``)."""
+        if not self.every_n_steps and not self.keep_hf_checkpoints:
+            self._due = True
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
-        """Wait for the last save; a background failure is raised here."""
-        if self.manager is not None:
-            mgr, self.manager = self.manager, None
-            try:
-                mgr.wait()
-            finally:
-                mgr.close()
+        """Take a due snapshot, then wait for the last save; a background failure is raised
+        here."""
+        self._remove_resume_folder()
+        try:
+            self._flush(args, state, kwargs)
+        finally:
+            if self.manager is not None:
+                mgr, self.manager = self.manager, None
+                try:
+                    mgr.wait()
+                finally:
+                    mgr.close()
 
     # ---------------------------------------------------------------- resume
-    def prepare_resume(self, args: TrainingArguments, target: str | int = "latest"
-                       ) -> str | None:
-        """A Trainer checkpoint folder for ``target`` (None when the run has no version yet)."""
+    def _materialize(self, args: TrainingArguments, target: str | int) -> None:
+        """Write the files the Trainer reads before any callback runs (module docs)."""
         from mithril_async.catalog import open_catalog
         from mithril_async.errors import VersionNotFound
+        from mithril_async.integrations.safetensors_file import flatten_tensors, write_safetensors
         from mithril_async.pipeline.reader import VersionReader
 
         run_id = self._run_id(args)
         if not (Path(self.runs_path) / run_id / "versions").is_dir():
-            return None
+            return
         try:
             with VersionReader(open_catalog(self.runs_path, run_id)) as reader:
-                got = asyncio.run(reader.read_version(target))
+                got = _run(reader.read_version(target, items=["model"]))
         except VersionNotFound:
             if target == "latest":
-                return None
+                return
             raise
-        manifest, trees, rng_doc = got.manifest, got.trees, got.rng
-        out = Path(args.output_dir or ".") / "mithril-resume" / f"checkpoint-{manifest.step}"
-        if out.exists():
-            shutil.rmtree(out)
+        step = got.manifest.step
+        output = Path(args.output_dir or ".")
+        if _newest_hf_step(output) >= step:
+            log.info("output_dir %s holds a Trainer checkpoint at or after step %d: the "
+                     "Trainer resumes from that one", output, step)
+            return
+        for stale in output.glob("checkpoint-*"):  # what a killed process left: ours only
+            if (stale / _MARKER).is_file():
+                shutil.rmtree(stale, ignore_errors=True)
+        out = output / f"checkpoint-{step}"
         out.mkdir(parents=True)
-        write_hf_checkpoint(out, trees, rng_doc)
-        return str(out)
+        (out / _MARKER).write_text(got.manifest.version_id)
+        write_safetensors(flatten_tensors(got.trees["model"]), out / "model.safetensors",
+                          {"format": "pt"})
+        write_hf_checkpoint(out, {}, got.rng)
+        files = {p.name: p.stat().st_size for p in out.iterdir() if p.name != _MARKER}
+        self.resume_info = {"path": str(out), "step": step, "files": files,
+                            "bytes": sum(files.values()), "version": got.manifest.version_id}
+        self._resume_version = got.manifest.version_id
+        log.info("materialised %s for the Trainer's resume from %s/%s: %d bytes (%s); "
+                 "optimizer and scheduler are loaded in on_train_begin, the folder is removed "
+                 "after the Trainer read it", out, run_id, got.manifest.version_id,
+                 self.resume_info["bytes"], ", ".join(sorted(files)))
+
+    def _load_optimizer_and_scheduler(self, args: TrainingArguments,
+                                      kwargs: dict[str, Any]) -> None:
+        from mithril_async.catalog import open_catalog
+        from mithril_async.pipeline.reader import VersionReader
+
+        assert self._resume_version is not None
+        want = [n for n, key in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler"))
+                if kwargs.get(key) is not None]
+        if not want:
+            return
+        with VersionReader(open_catalog(self.runs_path, self._run_id(args))) as reader:
+            got = _run(reader.read_version(self._resume_version, items=want, rng=False))
+        if "optimizer" in want and "optimizer" in got.trees:
+            kwargs["optimizer"].load_state_dict(got.trees["optimizer"])
+        if "scheduler" in want and "scheduler" in got.trees:
+            kwargs["lr_scheduler"].load_state_dict(got.trees["scheduler"])
+
+    def _remove_resume_folder(self) -> None:
+        info = self.resume_info
+        if info is None or info.get("removed"):
+            return
+        folder = Path(info["path"])
+        if (folder / _MARKER).is_file():  # never a folder the Trainer itself wrote
+            shutil.rmtree(folder, ignore_errors=True)
+        info["removed"] = True
+
+    def prepare_resume(self, args: TrainingArguments, target: str | int = "latest"
+                       ) -> str | None:
+        """The folder for ``trainer.train(resume_from_checkpoint=...)`` from ``target`` (None
+        when the run has no version yet): the same light folder as the automatic resume, for
+        a target other than the latest (construct the callback with ``resume_target=None``)."""
+        self._remove_resume_folder()
+        self.resume_info = self._resume_version = None
+        self._materialize(args, target)
+        return None if self.resume_info is None else str(self.resume_info["path"])
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a read to completion from a callback, also where the caller's thread already runs
+    an event loop (a notebook): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _newest_hf_step(output: Path) -> int:
+    """The highest step of a ``checkpoint-N`` folder the Trainer itself wrote (-1: none)."""
+    try:
+        names = os.listdir(output)
+    except OSError:
+        return -1
+    steps = [int(m.group(1)) for n in names if (m := _CHECKPOINT_DIR.match(n))
+             and (output / n).is_dir() and not (output / n / _MARKER).exists()]
+    return max(steps, default=-1)
 
 
 def write_hf_checkpoint(out: Path, trees: dict[str, Any], rng_doc: dict[str, Any]) -> None:
-    """Write the files ``Trainer._load_from_checkpoint`` and friends read."""
+    """Write the files ``Trainer._load_from_checkpoint`` and friends read, of the items in
+    ``trees`` (model, optimizer, scheduler) and the RNG/state document: a full Trainer
+    checkpoint folder, e.g. for tools that read one (the resume itself writes less)."""
     from mithril_async.integrations.safetensors_file import flatten_tensors, write_safetensors
     from mithril_async.state import decode_rng_state
 
-    write_safetensors(flatten_tensors(trees["model"]), out / "model.safetensors",
-                      {"format": "pt"})
+    if "model" in trees:
+        write_safetensors(flatten_tensors(trees["model"]), out / "model.safetensors",
+                          {"format": "pt"})
     if "optimizer" in trees:
         torch.save(trees["optimizer"], out / "optimizer.pt")
     if "scheduler" in trees:

@@ -5,28 +5,46 @@ Usage (single process or any number of ranks)::
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path),
              planner=MithrilSavePlanner(compression_level=3))
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=MithrilLoadPlanner())
+    dcp.load(sd, checkpoint_id=path)                     # DCP's default planner reads it too
+    dcp_to_torch_save(path, "model.pt")                  # one torch.save file (ours or torch's)
+
+The constructors take :class:`DefaultSavePlanner` / :class:`DefaultLoadPlanner`'s positional
+arguments in the same order (``MithrilSavePlanner(False)`` is ``flatten_state_dict=False``, as
+it is for the default planner a user ports from); our options are keyword-only.
 
 Why the planner route works with DCP's stock ``FileSystemWriter``/``FileSystemReader``: a
-storage writer copies the bytes of a ``BYTE_IO`` item verbatim, and a reader hands a ``BYTE_IO``
-item's bytes to ``planner.load_bytes``. So global planning runs on ordinary tensor items (the
-checkpoint's ``.metadata`` still describes real tensors and chunks, so dedup of replicated
-tensors and resharding on load keep working); only in ``finish_plan``, after the global plan is
-fixed, does the save planner turn each tensor item into a ``BYTE_IO`` item whose
-``resolve_data`` returns an MCKP blob of that tensor chunk (byte grouping + zstd, chunks coded
-in parallel). The load planner does the mirror image: its tensor read items become ``BYTE_IO``
-items and ``load_bytes`` decodes, narrows to the requested slice and copies into the
-destination tensor. Items are self-describing (a 4-byte magic), so the load planner also reads
-plain DCP checkpoints (``torch.save`` items), and a checkpoint mixing both.
+storage writer copies the bytes of a ``BYTE_IO`` item verbatim. So global planning runs on
+ordinary tensor items (the checkpoint's ``.metadata`` still describes real tensors and chunks,
+so dedup of replicated tensors and resharding on load keep working); only in ``finish_plan``,
+after the global plan is fixed, does the save planner turn each tensor item into a ``BYTE_IO``
+item whose ``resolve_data`` returns that tensor chunk compressed.
 
-Tiny tensors (under :data:`RAW_BELOW` bytes) are stored as ``MRAW`` + xxh64 + raw bytes:
-the MCKP header and trailer (~450 bytes) would cost more than compression saves; the dtype and
-shape come from the checkpoint's own metadata.
+How DCP's own readers read our items (the supported hooks, no monkeypatching): an item is a
+genuine ``torch.save`` file (a zip) whose only storage is the MCKP blob of the chunk (byte
+grouping + zstd, chunks coded in parallel, every chunk hashed) and whose pickle is one call,
+``mithril_compressed_tensor(blob, 1)``. That function is registered with
+``torch.serialization.add_safe_globals`` when this module is imported, so the
+``torch.load(..., weights_only=True)`` that DCP's default read path runs on a tensor item calls
+it and gets the decoded tensor. The checkpoint's ``.metadata`` (which DCP reads with plain
+``pickle``) is a :class:`MithrilMetadata`, so reading it imports this module: the default
+``dcp.load`` planner and torch's ``format_utils.dcp_to_torch_save`` then read our checkpoints
+unchanged wherever mithril_async is installed. Where it is not, unpickling ``.metadata`` fails
+with ``No module named 'mithril_async'``; an item loaded with ``torch.load`` without this
+module imported fails naming ``mithril_async.integrations.torch_dcp.mithril_compressed_tensor``.
+Items of checkpoints written before this layout (a bare ``MCKP`` blob, or ``MRAW`` + xxh64 +
+raw bytes for tiny tensors) carry no such hook: the default planner fails to unpickle them;
+:class:`MithrilLoadPlanner` and :func:`dcp_to_torch_save` here read them.
+
+Tiny tensors (under ``raw_below`` bytes, default :data:`RAW_BELOW`) stay ordinary DCP tensor
+items: compression cannot pay for its header there. ``raw_below=0`` compresses every tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import pickle
 import struct
 from typing import Any
 
@@ -34,8 +52,16 @@ import numpy as np
 import torch
 import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -46,45 +72,91 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from mithril_async.codec.chunk import CodecParams
-from mithril_async.codec.dtypes import dtype_name, tensor_bytes, tensor_from_bytes
+from mithril_async.codec.dtypes import dtype_name, tensor_from_bytes
 from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
 
-__all__ = ["RAW_BELOW", "MithrilLoadPlanner", "MithrilSavePlanner", "decode_item",
-           "encode_tensor"]
+__all__ = ["RAW_BELOW", "MithrilLoadPlanner", "MithrilMetadata", "MithrilSavePlanner",
+           "dcp_to_torch_save", "decode_item", "encode_tensor", "mithril_compressed_tensor"]
 
 MCKP_MAGIC = b"MCKP"
 RAW_MAGIC = b"MRAW"
-_RAW_HEAD = struct.Struct("<4sQ")  # magic, xxh64 of the raw bytes
-#: tensors smaller than this many bytes are stored raw (compression cannot pay for its header)
+ZIP_MAGIC = b"PK\x03\x04"
+_RAW_HEAD = struct.Struct("<4sQ")  # magic, xxh64 of the raw bytes (items of older versions)
+#: tensors smaller than this many bytes stay plain DCP items (compression cannot pay for its
+#: header and the torch.save wrapper)
 RAW_BELOW = 4096
+#: the layout of an item's ``torch.save`` wrapper (the second argument of the call)
+_ITEM_LAYOUT = 1
+
+
+def mithril_compressed_tensor(blob: object, layout: object) -> torch.Tensor:
+    """Decode one DCP item written by :class:`MithrilSavePlanner` (the function its pickle calls).
+
+    Registered as a ``weights_only`` safe global: it only decodes bytes (every chunk hashed,
+    sizes bounded by the MCKP reader), so allowing it lets no pickle run anything else."""
+    if layout != _ITEM_LAYOUT:
+        raise InvalidFormat(f"mithril_async DCP item: unknown layout {layout!r} (this "
+                            f"mithril_async reads layout {_ITEM_LAYOUT}; upgrade it)")
+    if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1):
+        raise InvalidFormat("mithril_async DCP item: the payload is not a 1-D uint8 tensor")
+    data = blob.contiguous().numpy().data.cast("B")
+    if bytes(data[:4]) != MCKP_MAGIC:
+        raise InvalidFormat("mithril_async DCP item: the payload is not an MCKP blob")
+    return _decode_mckp(data, where="mithril_async DCP item")
+
+
+torch.serialization.add_safe_globals([mithril_compressed_tensor])
+
+
+class _Packed:
+    """Pickles as ``mithril_compressed_tensor(blob, layout)`` (``torch.save`` of an item)."""
+
+    def __init__(self, blob: torch.Tensor) -> None:
+        self.blob = blob
+
+    def __reduce__(self) -> tuple[Any, tuple[torch.Tensor, int]]:
+        return mithril_compressed_tensor, (self.blob, _ITEM_LAYOUT)
+
+
+@dataclasses.dataclass
+class MithrilMetadata(Metadata):
+    """DCP's :class:`Metadata`, unchanged, under this module's name.
+
+    DCP unpickles ``.metadata`` with plain ``pickle`` before reading any item, so the class
+    name imports this module, which registers :func:`mithril_compressed_tensor` with
+    ``torch.load``'s weights-only unpickler: DCP's default readers then decode our items."""
+
+
+def _decode_mckp(data: memoryview, *, where: str) -> torch.Tensor:
+    tensors = decompress_state_dict(data)
+    if len(tensors) != 1:
+        raise InvalidFormat(f"{where}: expected one tensor in the item, got {len(tensors)}")
+    return next(iter(tensors.values()))
 
 
 def encode_tensor(t: torch.Tensor, *, name: str = "t", params: CodecParams | None = None,
                   threads: int | None = None) -> bytes:
-    """One tensor (chunk) as DCP item bytes: an MCKP blob, or ``MRAW`` for tiny tensors."""
+    """One tensor (chunk) as DCP item bytes: a ``torch.save`` file that holds its MCKP blob
+    and decodes it when loaded (see the module docs)."""
     t = t.detach().cpu().contiguous()
-    p = params or CodecParams()
-    if t.numel() * t.element_size() < RAW_BELOW:
-        raw, _, _ = tensor_bytes(t, where=name)
-        return _RAW_HEAD.pack(RAW_MAGIC, xxhash.xxh64_intdigest(raw.data)) + raw.tobytes()
-    return compress_state_dict({name: t}, params=p, threads=threads)
+    blob = bytearray(compress_state_dict({name: t}, params=params or CodecParams(),
+                                         threads=threads))
+    buf = io.BytesIO()
+    torch.save(_Packed(torch.frombuffer(blob, dtype=torch.uint8)), buf)
+    return buf.getvalue()
 
 
 def decode_item(data: bytes | memoryview, *, where: str, dtype: torch.dtype | None = None,
                 shape: torch.Size | None = None) -> torch.Tensor:
-    """Inverse of :func:`encode_tensor`; plain ``torch.save`` items are loaded too.
+    """Inverse of :func:`encode_tensor`; plain ``torch.save`` items and the bare ``MCKP`` /
+    ``MRAW`` items of older versions are read too.
 
-    ``dtype``/``shape`` (from the DCP metadata) are needed only for ``MRAW`` items.
-    """
+    ``dtype``/``shape`` (from the DCP metadata) are needed only for ``MRAW`` items."""
     mv = memoryview(data).cast("B")
     magic = bytes(mv[:4])
     if magic == MCKP_MAGIC:
-        tensors = decompress_state_dict(mv)
-        if len(tensors) != 1:
-            raise InvalidFormat(f"{where}: expected one tensor in the item, got {len(tensors)}")
-        out: torch.Tensor = next(iter(tensors.values()))
-        return out
+        return _decode_mckp(mv, where=where)
     if magic == RAW_MAGIC:
         if dtype is None or shape is None:
             raise InvalidFormat(f"{where}: raw item but no tensor metadata to interpret it")
@@ -97,28 +169,81 @@ def decode_item(data: bytes | memoryview, *, where: str, dtype: torch.dtype | No
             raise ChecksumMismatch(where, f"{digest:016x}", f"{got:016x}")
         buf = np.frombuffer(payload, np.uint8).copy()
         return tensor_from_bytes(buf, dtype_name(dtype), tuple(shape), where=where)
-    loaded = torch.load(io.BytesIO(bytes(mv)), map_location="cpu", weights_only=True)
+    try:
+        loaded = torch.load(io.BytesIO(bytes(mv)), map_location="cpu", weights_only=True)
+    except (InvalidFormat, ChecksumMismatch):
+        raise  # our item, damaged: already says what is wrong
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise InvalidFormat(f"{where}: item is neither a mithril blob nor a saved tensor "
+                            f"({err})") from err
     if not isinstance(loaded, torch.Tensor):
         raise InvalidFormat(f"{where}: item is neither a mithril blob nor a saved tensor")
     return loaded
 
 
-class MithrilSavePlanner(DefaultSavePlanner):
-    """A :class:`DefaultSavePlanner` whose tensor items are written compressed (lossless)."""
+def _check_flags(cls: str, **flags: object) -> None:
+    """The default planners' positional arguments are flags: a number there is almost surely
+    a compression level passed positionally (our options are keyword-only), so say so."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{cls}: {name} must be a bool, got {value!r} (positional arguments "
+                            f"are those of torch's default planner, in its order; pass our "
+                            f"options by keyword, e.g. compression_level=3)")
 
-    def __init__(self, compression_level: int = 3, *, byte_grouping: bool = True,
-                 chunk_mib: float = 4.0, threads: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+
+class MithrilSavePlanner(DefaultSavePlanner):
+    """A :class:`DefaultSavePlanner` whose tensor items are written compressed (lossless).
+
+    Positional arguments are :class:`DefaultSavePlanner`'s, in its order; ``compression_level``
+    and the other codec options are keyword-only."""
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 dedup_replicated_tensors: bool | None = None,
+                 dedup_save_to_lowest_rank: bool = False, enable_plan_caching: bool = False,
+                 *, compression_level: int = 3, byte_grouping: bool = True,
+                 chunk_mib: float = 4.0, threads: int | None = None,
+                 raw_below: int = RAW_BELOW) -> None:
+        _check_flags("MithrilSavePlanner", flatten_state_dict=flatten_state_dict,
+                     flatten_sharded_tensors=flatten_sharded_tensors,
+                     dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+                     enable_plan_caching=enable_plan_caching)
+        if dedup_replicated_tensors is not None:
+            _check_flags("MithrilSavePlanner", dedup_replicated_tensors=dedup_replicated_tensors)
+        if isinstance(compression_level, bool) or not isinstance(compression_level, int):
+            raise TypeError(f"MithrilSavePlanner: compression_level must be an int, got "
+                            f"{compression_level!r}")
+        if raw_below < 0:
+            raise ValueError(f"MithrilSavePlanner: raw_below must be >= 0, got {raw_below}")
+        super().__init__(flatten_state_dict, flatten_sharded_tensors, dedup_replicated_tensors,
+                         dedup_save_to_lowest_rank, enable_plan_caching)
         self.params = CodecParams(level=compression_level, byte_grouping=byte_grouping,
                                   chunk_bytes=max(1, int(chunk_mib * (1 << 20))))
         self.threads = threads
+        self.raw_below = raw_below
         self._compressed: set[MetadataIndex] = set()
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, md = super().create_global_plan(all_plans)
+        if not isinstance(md, MithrilMetadata):
+            md = MithrilMetadata(**{f.name: getattr(md, f.name)
+                                    for f in dataclasses.fields(Metadata)})
+        self.metadata = md
+        return plans, md
+
+    def _small(self, item: WriteItem) -> bool:
+        td = item.tensor_data
+        if td is None:
+            return False
+        n = 1
+        for s in td.size:
+            n *= int(s)
+        return n * td.properties.dtype.itemsize < self.raw_below
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
         items: list[WriteItem] = []
         for item in plan.items:
-            if item.type in (WriteItemType.TENSOR, WriteItemType.SHARD):
+            if item.type in (WriteItemType.TENSOR, WriteItemType.SHARD) and not self._small(item):
                 # keep tensor_data: the writer buckets by it, and it documents the item
                 item = dataclasses.replace(item, type=WriteItemType.BYTE_IO)
                 self._compressed.add(item.index)
@@ -138,10 +263,19 @@ class MithrilSavePlanner(DefaultSavePlanner):
 
 
 class MithrilLoadPlanner(DefaultLoadPlanner):
-    """A :class:`DefaultLoadPlanner` that reads what :class:`MithrilSavePlanner` wrote."""
+    """A :class:`DefaultLoadPlanner` that reads what :class:`MithrilSavePlanner` wrote (any
+    version of it) as well as plain DCP checkpoints. Positional arguments are
+    :class:`DefaultLoadPlanner`'s, in its order."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False) -> None:
+        _check_flags("MithrilLoadPlanner", flatten_state_dict=flatten_state_dict,
+                     flatten_sharded_tensors=flatten_sharded_tensors,
+                     allow_partial_load=allow_partial_load)
+        # keywords: a subclass may put another parameter first (torch's empty-state planner)
+        super().__init__(flatten_state_dict=flatten_state_dict,
+                         flatten_sharded_tensors=flatten_sharded_tensors,
+                         allow_partial_load=allow_partial_load)
         self._tensor_items: set[ReadItem] = set()
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
@@ -177,3 +311,23 @@ class MithrilLoadPlanner(DefaultLoadPlanner):
                                 f"destination {tuple(target.size())}")
         target.copy_(tensor)
         self.commit_tensor(read_item, target)
+
+
+class _EmptyMithrilLoadPlanner(MithrilLoadPlanner, _EmptyStateDictLoadPlanner):
+    """Rebuilds the whole state dict from the metadata (torch's converter planner), reading
+    items through :class:`MithrilLoadPlanner`."""
+
+
+def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str],
+                      torch_save_path: str | os.PathLike[str]) -> None:
+    """``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` for checkpoints of any
+    mithril_async version (and plain DCP ones): the whole state dict as one ``torch.save``
+    file with ordinary tensors, loadable by ``torch.load`` anywhere. Run it on one process:
+    the whole state is held in memory."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(dcp_checkpoint_dir),
+                     planner=_EmptyMithrilLoadPlanner(), no_dist=True)
+    torch.save(sd, torch_save_path)

