@@ -27,6 +27,7 @@ from mithril_async.claims import (
     Claim,
     claim_doc_stale,
     owner_identity,
+    process_start,
 )
 from mithril_async.errors import (
     InvalidFormat,
@@ -149,10 +150,16 @@ class RunCatalog:
         moves the claim on."""
         n = max(await self._folder_numbers(), default=0) + 1
         now = time.time()
-        doc = {**owner_identity(), "token": secrets.token_hex(16), "t": now, "hb": now,
-               "bases": sorted(set(bases))}
+        doc = {**owner_identity(), "start": process_start(os.getpid()),
+               "token": secrets.token_hex(16), "t": now, "hb": now, "bases": sorted(set(bases))}
         data = json.dumps(doc).encode()
         for _ in range(1000):
+            if await self.store.list_incomplete(self.layout.version_dir(n) + "/"):
+                # leftovers of an earlier owner of this number (a folder holding only temp
+                # files is invisible to listings): never reused, so a committed version holds
+                # exactly its own files; start-up cleanup removes the leftovers
+                n += 1
+                continue
             try:
                 await self.store.put_if_absent(self.layout.claim_key(n), data)
                 return Claim(n, doc)
@@ -302,27 +309,98 @@ class RunCatalog:
                                orphan_age_s: float = 600.0) -> list[str]:
         """Remove version folders without a manifest whose writer is gone; return them.
 
-        A gone writer's multipart uploads and temp files are removed whatever their age; a
-        live writer's (fresh claim) are never touched, however old (an upload's start time
-        does not advance while its parts arrive); elsewhere in the run only those older than
-        ``orphan_age_s`` go."""
-        stale, live = await self.unfinished(stale_after_s=stale_after_s)
+        A gone writer's multipart uploads and temp files are removed whatever their age: in
+        a folder whose claim is abandoned (its owner provably dead, or silent for
+        ``claim_stale_s``), in a committed version whose claim's owner is gone and in a
+        folder whose claim is gone (:meth:`_clean_leftovers`). A live
+        writer's (fresh claim) are never touched, however old (an upload's start time does
+        not advance while its parts arrive); elsewhere in the run (aliases, run.json) only
+        those older than ``orphan_age_s`` go: nothing there records whose they are."""
+        numbers = await self.version_numbers()
+        stale, live = await self.unfinished(stale_after_s=stale_after_s, numbers=numbers)
         removed = []
         for n in stale:
             await self.remove_unfinished(n)
             removed.append(self.layout.version_dir(n))
+        removed += await self._clean_leftovers(numbers, skip=set(stale) | set(live),
+                                               orphan_age_s=orphan_age_s)
         await self.store.cleanup_incomplete(
             self.layout.root + "/", orphan_age_s,
             skip=[self.layout.version_dir(n) + "/" for n in live])
         return removed
 
-    async def remove_unfinished(self, n: int) -> None:
-        """Remove everything of unfinished version ``n`` (its files, temp files and
-        uploads): only for one whose claim is abandoned (:meth:`unfinished`)."""
+    async def _clean_leftovers(self, numbers: dict[int, bool], *, skip: Collection[int],
+                               orphan_age_s: float) -> list[str]:
+        """Leftovers (temp files, uploads) in version folders no live writer owns: committed
+        versions whose claim's owner is gone (only it ever wrote there), and folders without
+        a claim (the claim of a writer killed while its folder was removed, or that lost its
+        claim); return those folders.
+
+        A claimless folder is reserved with a claim of our own first (a writer may claim
+        the number meanwhile: then it is its folder and stays untouched; with ours in place
+        nobody can, and :meth:`claim` never reuses a folder holding leftovers anyway). A
+        ``_claim.json`` temp younger than ``orphan_age_s`` stays: it may be another
+        writer's claim a moment before it is linked."""
+        prefix = self.layout.versions_prefix
+        folders: dict[int, list[tuple[str, float]]] = {}
+        for inc in await self.store.list_incomplete(prefix):
+            try:
+                n = version_number(inc.key[len(prefix):].split("/", 1)[0])
+            except InvalidFormat:
+                continue
+            if n not in skip:
+                folders.setdefault(n, []).append((inc.key, inc.age_s))
+        out = []
+        me = owner_identity()
+        for n, found in sorted(folders.items()):
+            young_claim_temp = any(_claim_leftover(k) and age < orphan_age_s
+                                   for k, age in found)
+            folder = self.layout.version_dir(n) + "/"
+            if numbers.get(n):  # committed: only its claim's owner ever wrote there
+                doc = await self.read_claim(n)
+                if young_claim_temp or (doc is not None and not claim_doc_stale(
+                        doc, self.claim_stale_s, me=me)):
+                    continue  # its owner lives on: only the age rule applies
+                await self.store.cleanup_incomplete(folder)
+                out.append(folder.rstrip("/"))
+                log.warning("removed leftovers of a killed writer in committed %s",
+                            version_id(n))
+                continue
+            if young_claim_temp or await self.read_claim(n) is not None:
+                continue  # claimed since the listing (or about to be): not ours to clean
+            try:
+                mine = await self.claim_number(n)
+            except KeyExists:
+                continue
+            try:
+                await self.remove_unfinished(n, keep=self.layout.claim_key(n))
+            finally:
+                await asyncio.shield(self._drop_claim(n, mine))
+            out.append(folder.rstrip("/"))
+        return out
+
+    async def claim_number(self, n: int) -> bytes:
+        """Claim version number ``n`` itself (``KeyExists`` if taken) and return the claim's
+        bytes: how cleanup reserves a claimless folder before it empties it."""
+        now = time.time()
+        data = json.dumps({**owner_identity(), "start": process_start(os.getpid()),
+                           "token": secrets.token_hex(16), "t": now, "hb": now,
+                           "bases": []}).encode()
+        await self.store.put_if_absent(self.layout.claim_key(n), data)
+        return data
+
+    async def remove_unfinished(self, n: int, *, keep: str | None = None) -> None:
+        """Remove everything of unfinished version ``n`` (its temp files and uploads, its
+        files, its claim last): only for one whose claim is abandoned (:meth:`unfinished`).
+        The claim goes last, so a removal killed half-way leaves a folder that is still
+        claimed by a dead writer (removed at the next start), never a claimless folder of
+        leftovers. ``keep``: a key left in place (the cleaner's own claim)."""
         folder = self.layout.version_dir(n) + "/"
-        for key in await self.store.list(folder):
-            await self.store.delete(key)
+        claim = self.layout.claim_key(n)
         await self.store.cleanup_incomplete(folder)
+        keys = [k for k in await self.store.list(folder) if k != keep]
+        for key in sorted(keys, key=lambda k: k == claim):
+            await self.store.delete(key)
 
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a
@@ -542,6 +620,12 @@ class RunCatalog:
         if not self.layout.owns(key) or not await self.store.exists(key):
             raise VersionNotFound(f"run {self.layout.run_id}: no committed version {target!r}")
         return key
+
+
+def _claim_leftover(key: str) -> bool:
+    """Whether a leftover is (the temp file of) a claim being written."""
+    name = key.rsplit("/", 1)[-1]
+    return name == "_claim.json" or name.startswith(".tmp-_claim.json.")
 
 
 def _usable(value: object) -> bool:

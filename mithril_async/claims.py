@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CLAIM_STALE_S", "MAX_HEARTBEAT_S", "Claim", "claim_doc_stale", "describe_claim",
-           "heartbeat_interval", "owner_identity"]
+           "heartbeat_interval", "owner_identity", "process_start"]
 
 #: an unfinished version whose claim's heartbeat is older than this is abandoned and may be
 #: cleaned (the default of ``[checkpointing.pipeline] claim_stale_s``)
@@ -74,7 +74,8 @@ def claim_doc_stale(doc: object, stale_after_s: float, *, now: float | None = No
 
     Garbage or no time at all: abandoned. Owner in this boot and PID namespace: this very
     process's claim is never abandoned to itself (another manager of the process may be
-    saving), one whose pid is gone is (provably dead). Otherwise only a heartbeat older than
+    saving), one whose pid is gone, a zombie, or another process than the one that started at
+    the claim's ``start`` is (provably dead). Otherwise only a heartbeat older than
     ``stale_after_s`` makes it abandoned; a pid that is not alive here proves nothing about
     another namespace.
     """
@@ -86,9 +87,11 @@ def claim_doc_stale(doc: object, stale_after_s: float, *, now: float | None = No
     me = me if me is not None else owner_identity()
     pid = doc.get("pid")
     if _same_pid_namespace(doc, me) and isinstance(pid, int) and not isinstance(pid, bool):
-        if pid == me["pid"]:
-            return False
-        if not _pid_alive(pid):
+        start = doc.get("start")
+        start = start if isinstance(start, int) and not isinstance(start, bool) else None
+        if pid == me["pid"]:  # ours, unless an earlier process had our pid
+            return start is not None and start != process_start(pid)
+        if not _pid_alive(pid, start):
             return True
     return (time.time() if now is None else now) - beat > stale_after_s
 
@@ -122,7 +125,35 @@ class Claim:
         return str(self.doc["token"])
 
 
-def _pid_alive(pid: int) -> bool:
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
+    with the pid, it names one process, so a pid reused after its owner died is told apart.
+    None where /proc cannot say."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) of ``pid`` from /proc; None if unreadable or no such pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2:].split()
+        return fields[0].decode("ascii", "replace"), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int, start: int | None = None) -> bool:
+    """Whether ``pid`` is a running process of this namespace (and, given ``start``, the one
+    that started then): a zombie (killed, not yet reaped by its parent) is dead, and so is
+    a pid reused by another process."""
+    if os.path.isdir(f"/proc/{os.getpid()}"):
+        stat = _proc_stat(pid)
+        if stat is None:
+            return os.path.exists(f"/proc/{pid}")  # vanished meanwhile, or unreadable
+        state, started = stat
+        return state not in ("Z", "X", "x") and (start is None or started == start)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
