@@ -244,8 +244,12 @@ class VersionReader:
         progress = Progress()
         # the in-flight budget of a save bounds a restore too, shared by the items
         budget = (self.codec.pipe.max_inflight_mib << 20) // max(1, len(refs))
+        # In place only where reading a blob twice is cheap (local disk, page cache, memory):
+        # over S3 the two passes cost 3-4x a single read, so blobs are decoded into fresh
+        # tensors there (one pass, every block verified) and loaded as before.
+        remote = getattr(self.catalog.store, "remote_reads", False)
         live = {name: t for name, ref in refs.items()
-                if in_place is not None and not lossy and takes_in_place(ref)
+                if in_place is not None and not lossy and not remote and takes_in_place(ref)
                 and (t := in_place(name))}
         # Phase 1, nothing written yet: the RNG file, every blob decoded into the live
         # tensors verified whole (streamed), the others decoded into fresh tensors as ever.

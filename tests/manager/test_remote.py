@@ -71,3 +71,44 @@ def test_remote_only_streams_multipart_and_restores_elsewhere(s3: MotoS3,
         assert m.restore_sync("latest") == 7
         assert m.all_steps() == [7]
     assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_remote_only_restore_reads_each_blob_once(s3: MotoS3, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  compressed: bool) -> None:
+    """Over S3 a restore decodes each blob in one pass (every block still verified) instead
+    of the local stores' verify-then-decode-in-place two passes, which cost a second read of
+    every byte over the network."""
+    import mithril_async.pipeline.reader as reader
+    from mithril_async.storage.s3.store import S3Store
+
+    prefix = s3.unique_prefix("once")
+    cfg = parse_config(_cfg(s3, tmp_path / "runs", prefix, "remote_only") +
+                       f"enabled = {str(compressed).lower()}\n")
+    model, opt, batcher = make_state()
+    with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
+        train_step(model, opt, batcher)
+        m.save_nowait(1).result()
+    saved = copy.deepcopy(model.state_dict())
+    stored = sum(s3.client.head_object(Bucket=s3.bucket, Key=k)["ContentLength"]
+                 for k in s3.objects(prefix) if k.endswith((".mckp", ".safetensors", ".bin")))
+
+    read = [0]
+    get_range = S3Store.get_range
+
+    async def counting(self: S3Store, key: str, offset: int, length: int) -> bytes:
+        data = await get_range(self, key, offset, length)
+        read[0] += len(data)
+        return data
+
+    def no_second_pass(*a: object, **k: object) -> None:
+        raise AssertionError("a blob on S3 was verified in a separate pass")
+
+    monkeypatch.setattr(S3Store, "get_range", counting)
+    monkeypatch.setattr(reader, "verify_blob", no_second_pass)
+    model2, opt2, _ = make_state(seed=5)
+    with CheckpointManager(cfg, {"model": model2, "optimizer": opt2}) as m:
+        assert m.restore_sync("latest") == 1
+    assert state_equal(saved, model2.state_dict())
+    assert read[0] <= stored  # ranged reads of the blobs add up to at most one pass

@@ -68,6 +68,10 @@ def range_size(remaining: int, part: int, connections: int) -> int:
 class S3Store:
     """S3-backed store; see the module docstring for guarantees and knobs."""
 
+    #: every read is a request over the network: a restore reads each blob once (decoded into
+    #: fresh tensors) rather than the local stores' verify-then-decode-in-place two passes
+    remote_reads = True
+
     def __init__(
         self,
         bucket: str,
