@@ -7,6 +7,7 @@ published; a budget that fits the staged path leaves it as it was."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import subprocess
@@ -202,6 +203,26 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
         return real(self, lease, t, off, n)
 
     monkeypatch.setattr(stager.StreamSnapshot, "fetch", gated)
+    real_before_step = StreamCopy.before_step
+
+    def before_step(self: StreamCopy) -> float:
+        """Deterministic, whatever the machine's speed (as test_overlap does): the gate opens
+        only once the step hook has seen the optimizer's copy-out unfinished, so the step can
+        only go on by waiting for it."""
+        fut = self.stream.all_done
+
+        def done_then_open() -> bool:
+            finished = concurrent.futures.Future.done(fut)
+            gate.set()
+            return finished
+
+        setattr(fut, "done", done_then_open)  # noqa: B010 (an instance attribute on purpose)
+        try:
+            return real_before_step(self)
+        finally:
+            delattr(fut, "done")
+
+    monkeypatch.setattr(StreamCopy, "before_step", before_step)
     cfg = _cfg(tmp_path, 32, pipe='snapshot = "overlapped"\n')  # state: ~19 MiB x 2 items
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
         expected = {"model": copy.deepcopy(model.state_dict()),
@@ -219,8 +240,7 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
             stepped.set()
 
         th = threading.Thread(target=step)
-        th.start()
-        gate.set()
+        th.start()  # its step hook opens the gate
         th.join(60)
         assert stepped.is_set() and job_stream.all_done.done()
         res = handle.result()
