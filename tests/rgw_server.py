@@ -44,7 +44,7 @@ from typing import Any
 
 import boto3
 
-from tests.s3_server import DUMMY_ENV, SMALL_PART, dummy_env, free_port
+from tests.s3_server import DUMMY_ENV, SMALL_PART, BucketInspection, dummy_env, free_port
 
 #: the Ceph binaries the cluster needs (Debian: ceph-mon, ceph-osd, radosgw, ceph-common)
 BINARIES = ("ceph", "ceph-authtool", "monmaptool", "ceph-mon", "ceph-osd", "radosgw",
@@ -63,7 +63,7 @@ def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None]
 
 
-class CephRGW:
+class CephRGW(BucketInspection):
     """Context manager: a single-node Ceph cluster with one RGW on loopback, one bucket.
 
     ``block_gib`` bounds the OSD's sparse block file; ``min_part_size`` is RGW's minimum
@@ -86,24 +86,6 @@ class CephRGW:
         self._env = contextlib.ExitStack()
         #: pids of the daemons stopped at exit (tests check none is left running)
         self.stopped: list[int] = []
-
-    # -- the surface shared with MotoS3 --------------------------------------------------
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment for a child process talking to this server (dummy credentials)."""
-        return dict(DUMMY_ENV)
-
-    def unique_prefix(self, label: str = "t") -> str:
-        return f"{label}-{uuid.uuid4().hex[:12]}"
-
-    def uploads(self, prefix: str) -> list[dict[str, Any]]:
-        """In-progress multipart uploads under ``prefix``."""
-        resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
-        return list(resp.get("Uploads", []))
-
-    def objects(self, prefix: str) -> list[str]:
-        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
-        return [o["Key"] for o in resp.get("Contents", [])]
 
     # -- start and stop --------------------------------------------------------------------
     def __enter__(self) -> CephRGW:

@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import os
 import re
-import socket
 import threading
 import time
 import uuid
@@ -47,6 +46,8 @@ from moto.moto_server.werkzeug_app import (  # noqa: E402
     create_backend_app,
 )
 from werkzeug.serving import make_server  # noqa: E402
+
+from tests.ranks import free_port  # noqa: E402
 
 # moto.s3.models copied the setting at import; make sure the small size is the one in force
 moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = int(os.environ["S3_UPLOAD_PART_MIN_SIZE"])
@@ -87,12 +88,6 @@ class _Server(ThreadedMotoServer):
         self._server.serve_forever()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class S3Server(Protocol):
     """What tests use of a server: :class:`MotoS3` or :class:`tests.rgw_server.CephRGW`."""
 
@@ -109,6 +104,31 @@ class S3Server(Protocol):
     def unique_prefix(self, label: str = "t") -> str: ...
     def uploads(self, prefix: str) -> list[dict[str, Any]]: ...
     def objects(self, prefix: str) -> list[str]: ...
+
+
+class BucketInspection:
+    """The part of :class:`S3Server` that is the same on every server: dummy credentials for
+    child processes and a look at the test bucket through ``client`` behind the store's back."""
+
+    bucket: str
+    client: Any
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for a child process talking to this server (dummy credentials)."""
+        return dict(DUMMY_ENV)
+
+    def unique_prefix(self, label: str = "t") -> str:
+        return f"{label}-{uuid.uuid4().hex[:12]}"
+
+    def uploads(self, prefix: str) -> list[dict[str, Any]]:
+        """In-progress multipart uploads under ``prefix``."""
+        resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
+        return list(resp.get("Uploads", []))
+
+    def objects(self, prefix: str) -> list[str]:
+        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        return [o["Key"] for o in resp.get("Contents", [])]
 
 
 @contextlib.contextmanager
@@ -129,7 +149,7 @@ def dummy_env() -> Iterator[None]:
                 os.environ[name] = value
 
 
-class MotoS3:
+class MotoS3(BucketInspection):
     """Context manager: moto S3 on a free loopback port, one bucket, dummy credentials."""
 
     kind = "moto"
@@ -142,11 +162,6 @@ class MotoS3:
         self._env = contextlib.ExitStack()
         self.client: Any = None
 
-    @property
-    def env(self) -> dict[str, str]:
-        """Environment for a child process talking to this server (dummy credentials)."""
-        return dict(DUMMY_ENV)
-
     def __enter__(self) -> MotoS3:
         self._env.enter_context(dummy_env())
         self._server.start()
@@ -157,18 +172,6 @@ class MotoS3:
     def __exit__(self, *exc: object) -> None:
         self._server.stop()
         self._env.close()
-
-    def unique_prefix(self, label: str = "t") -> str:
-        return f"{label}-{uuid.uuid4().hex[:12]}"
-
-    def uploads(self, prefix: str) -> list[dict[str, Any]]:
-        """In-progress multipart uploads under ``prefix``."""
-        resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
-        return list(resp.get("Uploads", []))
-
-    def objects(self, prefix: str) -> list[str]:
-        resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
-        return [o["Key"] for o in resp.get("Contents", [])]
 
 
 # -- fault-injecting proxy -----------------------------------------------------------------

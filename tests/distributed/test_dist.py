@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import signal
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import torch
 
 from tests.distributed._worker import run_rank
 from tests.manager.conftest import state_equal
+from tests.ranks import launch_ranks
 
 TOTAL = 6
 #: ranks are forked from a server that imported torch once: a spawn per rank costs seconds here
@@ -29,29 +28,11 @@ _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.distributed._worker"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(scenario: str, world: int, timeout: float = 120, **args: Any) -> list[int | None]:
     """Start ``world`` ranks of ``_worker.run_rank``; return their exit codes."""
-    port = _free_port()
-    procs = [_CTX.Process(target=run_rank, args=(scenario, args, rank, world, port),
-                          name=f"{scenario}-rank{rank}") for rank in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [p.exitcode for p in procs]
+    return launch_ranks(_CTX, run_rank, world,
+                        lambda rank, port: (scenario, args, rank, world, port), timeout,
+                        name=scenario)
 
 
 def _load(out: Path, name: str, world: int) -> list[dict[str, Any]]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,33 +15,15 @@ import pytest
 import torch
 
 from tests.distributed._reshard_worker import run_rank
+from tests.ranks import launch_ranks
 
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.distributed._reshard_worker"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(scenario: str, world: int, timeout: float = 180, **args: Any) -> list[int | None]:
-    port = _free_port()
-    procs = [_CTX.Process(target=run_rank, args=(scenario, args, rank, world, port))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [p.exitcode for p in procs]
+    return launch_ranks(_CTX, run_rank, world,
+                        lambda rank, port: (scenario, args, rank, world, port), timeout)
 
 
 def _load(out: Path, name: str, world: int) -> list[dict[str, Any]]:

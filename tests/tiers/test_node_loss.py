@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import multiprocessing
 import shutil
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.ranks import launch_ranks
 from tests.s3_server import MotoS3
 from tests.tiers._tier_worker import run_rank
 
@@ -26,28 +25,10 @@ _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.tiers._tier_worker"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(scenario: str, args: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = [_CTX.Process(target=run_rank, args=(scenario, args, r, WORLD, port))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * WORLD, scenario
+    codes = launch_ranks(_CTX, run_rank, WORLD,
+                         lambda r, port: (scenario, args, r, WORLD, port), timeout)
+    assert codes == [0] * WORLD, scenario
     out = Path(args["out"])
     got = [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in range(WORLD):

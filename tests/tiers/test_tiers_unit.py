@@ -24,6 +24,7 @@ from mithril_async.tiers import (
     owner_of,
 )
 from tests.manager.conftest import TinyNet
+from tests.ranks import free_port
 
 
 # ---------------------------------------------------------------- node mapping
@@ -110,11 +111,7 @@ def test_delta_chains_are_refused(tmp_path: Path) -> None:
 
 
 def test_unreachable_remote_is_a_storage_error_at_start(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     cfg = parse_config('[checkpointing]\nruns_path = "runs"\n[checkpointing.remote]\n'
                        f'bucket = "nobucket"\nendpoint_url = "http://127.0.0.1:{port}"\n'
                        "max_attempts = 1\n")
