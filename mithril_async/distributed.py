@@ -36,6 +36,7 @@ from mithril_async.errors import DistributedError, ShapeMismatch
 from mithril_async.manifest import PieceMeta
 from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.reshard import Box
+from mithril_async.state import unique_name
 
 log = logging.getLogger("mithril_async")
 
@@ -259,11 +260,7 @@ def state_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
     seen: set[str] = set()
 
     def name_for(path: str) -> str:
-        name = path or "."
-        n = 1
-        while name in seen:
-            n += 1
-            name = f"{path}#{n}"
+        name = unique_name(path, seen)
         seen.add(name)
         return name
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import math
 import random
+from collections.abc import Container
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -82,6 +83,19 @@ def _enc_scalar(x: float) -> Any:
     return x if math.isfinite(x) else {"f": repr(x)}
 
 
+def unique_name(path: str, taken: Container[str]) -> str:
+    """The stored name of a tensor at ``path``: the path itself (``.`` for the root), with
+    ``#2``, ``#3``, ... when a tensor already took it (two leaves can share a path, e.g. a
+    dict key ``"a/b"`` beside a nested ``a`` -> ``b``). One rule for :func:`flatten_state` and
+    whatever must name leaves as it does (the shard metadata of a save)."""
+    name = path or "."
+    n = 1
+    while name in taken:
+        n += 1
+        name = f"{path}#{n}"
+    return name
+
+
 def flatten_state(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``tree`` into a JSON-able skeleton and a flat ``{path: tensor}`` dict.
 
@@ -89,24 +103,15 @@ def flatten_state(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     numpy arrays are stored as tensors and come back as numpy arrays.
     """
     tensors: dict[str, torch.Tensor] = {}
-
-    def name_for(path: str) -> str:
-        name = path or "."
-        n = 1
-        while name in tensors:
-            n += 1
-            name = f"{path}#{n}"
-        return name
-
     def enc(x: Any, path: str) -> Any:
         if isinstance(x, torch.Tensor):
             if x.is_sparse or x.layout != torch.strided:
                 raise UnsupportedStateType(f"non-strided tensor at {path!r} ({x.layout})")
-            name = name_for(path)
+            name = unique_name(path, tensors)
             tensors[name] = x.detach()
             return {"T": name}
         if isinstance(x, np.ndarray):
-            name = name_for(path)
+            name = unique_name(path, tensors)
             tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
             return {"N": name}
         if x is None or isinstance(x, (bool, str)):
