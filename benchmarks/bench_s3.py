@@ -53,7 +53,7 @@ import safetensors.torch
 import torch
 from boto3.s3.transfer import TransferConfig
 
-from mithril_async import CheckpointManager, TensorDict, parse_config
+from mithril_async import CheckpointManager, Config, TensorDict, parse_config
 from mithril_async.storage.s3 import S3Store
 
 MIB = 1 << 20
@@ -154,6 +154,18 @@ async def bench(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int)
 
 
 
+def remote_only_config(runs: str, run_id: str, prefix: str, endpoint: str, part_mib: int,
+                       conc: int, compression: bool, keep_last: int | None = None) -> Config:
+    """A manager writing straight to bucket ``bench`` (``mode = "remote_only"``)."""
+    keep = f"keep_last = {keep_last}\n" if keep_last is not None else ""
+    return parse_config(
+        f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "{run_id}"\n{keep}'
+        f'[checkpointing.remote]\nbucket = "bench"\nprefix = "{prefix}"\n'
+        f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
+        f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
+        f"[checkpointing.compression]\nenabled = {str(compression).lower()}\n")
+
+
 def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: int) -> None:
     """Whole checkpoints through the manager vs aioboto3 transfers of the same bytes."""
     g = torch.Generator().manual_seed(0)
@@ -163,12 +175,7 @@ def bench_pipeline(endpoint: str, mib: int, repeats: int, part_mib: int, conc: i
     times: dict[str, list[float]] = {}
     for comp in (False, True):
         label = "zstd" if comp else "raw"
-        cfg = parse_config(
-            f'[checkpointing]\nruns_path = "runs"\nrun_id = "p{label}"\n'
-            f'[checkpointing.remote]\nbucket = "bench"\nprefix = "pipe"\n'
-            f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
-            f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
-            f"[checkpointing.compression]\nenabled = {str(comp).lower()}\n")
+        cfg = remote_only_config("runs", f"p{label}", "pipe", endpoint, part_mib, conc, comp)
         with CheckpointManager(cfg, {"model": TensorDict(state)}) as m:
             for i in range(repeats):
                 t0 = time.perf_counter()
@@ -269,12 +276,8 @@ def bench_anchor(label: str, endpoint: str, mib: int, repeats: int, part_mib: in
     slug = "".join(c if c.isalnum() else "-" for c in label)
     for comp in (False, True):
         tag = "zstd" if comp else "raw"
-        cfg = parse_config(
-            f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "{slug}-{tag}"\nkeep_last = 1\n'
-            f'[checkpointing.remote]\nbucket = "bench"\nprefix = "anchor"\n'
-            f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\nmode = "remote_only"\n'
-            f"part_mib = {part_mib}\nmax_concurrency = {conc}\n"
-            f"[checkpointing.compression]\nenabled = {str(comp).lower()}\n")
+        cfg = remote_only_config(runs, f"{slug}-{tag}", "anchor", endpoint, part_mib, conc,
+                                 comp, keep_last=1)
         managers[tag] = CheckpointManager(cfg, {"model": TensorDict(state)})
     live = {k: torch.empty_like(v) for k, v in state.items()}
     has_s3tc = not ours_only and _s3tc() is not None
