@@ -137,10 +137,11 @@ def du(path: Path) -> int:
 
 
 def ours(model: GPT, opt: FakeAdamW, root: Path, budget: int | None,
-         snapshot: str = "overlapped") -> dict[str, float]:
+         snapshot: str = "overlapped", compress: bool = True) -> dict[str, float]:
     pipe = f'snapshot = "{snapshot}"\n' + (f"host_memory_mib = {budget}\n" if budget else "")
     cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "b"\n'
-                       f"[checkpointing.pipeline]\n{pipe}")
+                       f"[checkpointing.pipeline]\n{pipe}"
+                       f"[checkpointing.compression]\nenabled = {str(compress).lower()}\n")
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m, PeakRSS() as rss:
         t0 = time.perf_counter()
         handle = m.save_nowait(1)
@@ -179,7 +180,8 @@ def run_size(size: float, args: argparse.Namespace
     runs = args.runs if size < 4 else args.runs_big
     systems: list[tuple[str, Callable[[Path], dict[str, float]]]] = [
         (f"ours {b} MiB" if b else "ours unlimited",
-         (lambda root, b=b: ours(model, opt, root, b or None, args.snapshot)))
+         (lambda root, b=b: ours(model, opt, root, b or None, args.snapshot,
+                                 not args.no_compression)))
         for b in args.budgets]
     if not args.no_dcp:
         systems.append(("DCP async_save", lambda root: dcp_async(model, opt, root)))
@@ -218,6 +220,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--snapshot", choices=["overlapped", "blocking"], default="overlapped")
     ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--no-compression", action="store_true",
+                    help="ours without compression (what a budget costs the loop when the "
+                         "copy-out runs at write speed instead of the encoder's)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results: dict[tuple[float, str], dict[str, float]] = {}
