@@ -14,9 +14,12 @@ compression on and off, ``--runs`` rounds of:
   and the anchor's local restore.
 
 Times are the slowest rank's; medians over the runs. Ratios (ours/theirs): peer/remote (target
-<= 0.3), peer/local (target <= 1.5), tiered stall / local-only stall (target <= 1).
+<= 0.3), peer/local (target <= 1.5; "local" is the tiered local restore, the plain anchor's
+is printed too), tiered stall / local-only stall (target <= 1). A tiered restore returns
+once the state is restored; the copies it fetched are written back into the node folder in
+the background (``Tiers.wait()``, untimed; ``--phases`` prints when it ended).
 
-    python benchmarks/bench_tiers.py [--mib 256] [--runs 3]
+    python benchmarks/bench_tiers.py [--mib 256] [--runs 3] [--phases]
 """
 
 from __future__ import annotations
@@ -128,20 +131,26 @@ def rank_main(rank: int, port: int, a: dict[str, Any]) -> None:
             _, t = _timed(tiers.restore, mgr)
             assert set(tiers.last_sources.values()) == {"local"}, tiers.last_sources
             add(f"{tag} restore local, tiered", t)
+            if a["phases"] and rank == 0:
+                print(f"{tag} local recovery phases (rank 0, cumulative s):",
+                      {k: round(v, 3) for k, v in tiers.last_timings.items()}, flush=True)
             dist.barrier()
             shutil.rmtree(root / "runs")  # this node's own tier is gone; its copies stay
             _, t = _timed(tiers.restore, mgr)
             assert all(s.endswith("(replica)") for k, s in tiers.last_sources.items()
                        if "/versions/" in k), tiers.last_sources
             add(f"{tag} restore peer replica", t)
+            tiers.wait()  # the copies' write-back into the node folder (background, untimed)
             if a["phases"] and rank == 0:
-                print("peer recovery phases (rank 0, cumulative s):", tiers.last_timings)
+                print(f"{tag} peer recovery phases (rank 0, cumulative s):",
+                      {k: round(v, 3) for k, v in tiers.last_timings.items()}, flush=True)
             dist.barrier()
             shutil.rmtree(root / "runs")
             shutil.rmtree(root / "replica")
             _, t = _timed(tiers.restore, mgr)
             assert set(tiers.last_sources.values()) == {"remote"}, tiers.last_sources
             add(f"{tag} restore remote", t)
+            tiers.wait()
             dist.barrier()
         mgr.close()
         anchor.close()
@@ -186,9 +195,12 @@ def main() -> None:
     for tag in ("on", "off"):
         peer, remote = med[f"{tag} restore peer replica"], med[f"{tag} restore remote"]
         local = med[f"{tag} restore local, tiered"]
+        plain = med[f"{tag} restore local, local-only"]
         stall, anchor = med[f"{tag} save stall, tiered"], med[f"{tag} save stall, local-only"]
         print(f"  compression {tag}: peer/remote {peer / remote:.2f} (target <= 0.3), "
               f"peer/local {peer / local:.2f} (target <= 1.5), "
+              f"peer/plain local {peer / plain:.2f}, "
+              f"tiered local/plain local {local / plain:.2f}, "
               f"stall tiered/local-only {stall / anchor:.2f} (target <= 1)")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass
@@ -32,6 +32,13 @@ class SaveResult:
     host_peak_bytes: int = 0
     #: the state did not fit the budget staged and streamed through the slot ring (a keyframe)
     streamed: bool = False
+    #: a manager made by ``Tiers.manager``: which tiers this version reached and when
+    #: (``reached``: tier -> seconds after the local commit), filled in as the background
+    #: replication and upload finish (``tiers.wait()`` blocks until they did), and what
+    #: failed (``errors``); None without tiers or for a save that did not commit. A
+    #: :class:`~mithril_async.tiers.tiered.TierResult`, typed Any here: the pipeline does not
+    #: import the tier layer built on it (tests/test_layering.py)
+    tiers: Any = None
 
     @property
     def ratio(self) -> float:

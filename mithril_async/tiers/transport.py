@@ -17,19 +17,23 @@ order of posting can deadlock. A
 from __future__ import annotations
 
 import contextlib
+import mmap
 import warnings
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from mithril_async.errors import DistributedError
 
+#: what can be sent: bytes, or a read-only map of a file (sent from the page cache, no copy)
+Payload: TypeAlias = "bytes | memoryview | mmap.mmap"
 
-def _view(data: bytes) -> torch.Tensor:
+
+def _view(data: Payload) -> torch.Tensor:
     """A uint8 tensor over ``data`` without a copy (gloo only reads a send buffer, so the
-    read-only warning torch gives for immutable bytes does not apply)."""
+    read-only warning torch gives for immutable bytes or a read-only map does not apply)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=torch.uint8)
@@ -40,7 +44,7 @@ class Link(Protocol):
     world_size: int
 
     def all_gather(self, obj: Any, what: str) -> list[Any]: ...
-    def exchange(self, sends: list[tuple[int, int, bytes]], recvs: list[tuple[int, int]],
+    def exchange(self, sends: list[tuple[int, int, Payload]], recvs: list[tuple[int, int]],
                  what: str) -> dict[int, bytes | memoryview]: ...
     def close(self) -> None: ...
 
@@ -54,7 +58,7 @@ class LocalLink:
     def all_gather(self, obj: Any, what: str) -> list[Any]:
         return [obj]
 
-    def exchange(self, sends: list[tuple[int, int, bytes]], recvs: list[tuple[int, int]],
+    def exchange(self, sends: list[tuple[int, int, Payload]], recvs: list[tuple[int, int]],
                  what: str) -> dict[int, bytes | memoryview]:
         if sends or recvs:
             raise DistributedError(f"rank 0: {what}: no peer rank in a single process")
@@ -101,7 +105,7 @@ class GlooLink:
     def _global(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))
 
-    def exchange(self, sends: list[tuple[int, int, bytes]], recvs: list[tuple[int, int]],
+    def exchange(self, sends: list[tuple[int, int, Payload]], recvs: list[tuple[int, int]],
                  what: str) -> dict[int, bytes | memoryview]:
         """Every ``(dst, tag, data)`` sent and every ``(src, tag)`` received at once, all
         in flight together (both directions of a pair overlap); returns ``{tag: bytes}`` (views

@@ -8,8 +8,10 @@ server the test started. Every rank writes what it saw to ``<out>/<what>_rank<r>
   the next random numbers (to check the RNG restore) are dumped, with the tiers each version
   reached.
 - ``restore``: a fresh model (other initial weights), ``Tiers.restore`` of ``latest``; dumps
-  the restored state, the next random numbers, where each file came from and how many GETs
-  reached the remote tier.
+  the restored state, the next random numbers, where each file came from, how many GETs
+  reached the remote tier and the recovery's phases (a repair round shows as ``repair 1``).
+  ``small``: the size up to which fetched copies are hashed on arrival (0: none, so a
+  damaged peer copy is caught by the reader and repaired).
 """
 
 from __future__ import annotations
@@ -113,12 +115,17 @@ def save(a: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def restore(a: dict[str, Any], rank: int) -> dict[str, Any]:
+    if a.get("small") is not None:  # copies this small or smaller are hashed on arrival
+        from mithril_async.tiers import tiered
+
+        tiered._SMALL = a["small"]
     state = _state(99)  # other initial weights: the restore must overwrite them
     tiers, remote = _tiers(a)
     mgr = tiers.manager(state)
     step = tiers.restore(mgr)
     seen = {"step": int(step), "snap": _snapshot(state), "next_rand": torch.rand(4),
-            "sources": dict(tiers.last_sources), "remote_gets": remote.gets}
+            "sources": dict(tiers.last_sources), "remote_gets": remote.gets,
+            "phases": sorted(tiers.last_timings)}
     mgr.close()
     tiers.close()
     return seen

@@ -92,19 +92,24 @@ def test_node_loss(tmp_path: Path, moto: MotoS3, compress: bool) -> None:
         assert got[r]["sources"].pop(model) == "local replica"
         assert set(got[r]["sources"].values()) == {"local"}
 
-    # 2. node 0 gone again and rank 0's optimizer replica damaged: that blob from the remote
-    shutil.rmtree(node0)
+    # 2. node 0 gone again and rank 0's optimizer replica damaged: that blob from the remote.
+    # Checked twice: the copy hashed on arrival (small files are), and, with nothing hashed
+    # on arrival, caught by rank 0's reader: every rank joins the repair round, rank 0
+    # restores again
     bad = node1 / "replica/runs/tiered/versions/v000003/opt_shard_rank0000.bin"
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    bad.write_bytes(bytes(data))
-    got = launch("restore", args)
-    check(got)
-    src0 = got[0]["sources"]
-    assert src0["runs/tiered/versions/v000003/opt_shard_rank0000.bin"] == "remote"
-    assert sum(v == "remote" for v in src0.values()) == 1
-    assert got[0]["remote_gets"] == 1
-    assert [g["remote_gets"] for g in got[1:]] == [0] * (WORLD - 1)
+    for small in (None, 0):
+        shutil.rmtree(node0)
+        bad.write_bytes(bytes(data))
+        got = launch("restore", {**args, "small": small})
+        check(got)
+        src0 = got[0]["sources"]
+        assert src0["runs/tiered/versions/v000003/opt_shard_rank0000.bin"] == "remote"
+        assert sum(v == "remote" for v in src0.values()) == 1
+        assert got[0]["remote_gets"] == 1
+        assert [g["remote_gets"] for g in got[1:]] == [0] * (WORLD - 1)
+        assert all(("repair 1" in g["phases"]) == (small == 0) for g in got), small
 
     # 3. both nodes gone: everything from the remote tier
     shutil.rmtree(node0)
