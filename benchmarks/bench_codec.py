@@ -19,6 +19,11 @@ Python coder it replaced (same bytes), and our all-core speed against zipnn's::
 
     python benchmarks/bench_codec.py --scaling --runs 7 [--only trajectory]
 
+The saver's encode stage with small chunks batched against one pool task per chunk, on the
+GPT-like many-tensor state of ``bench_scale.py`` (issue 21)::
+
+    python benchmarks/bench_codec.py --save-batching 0.25 --runs 5
+
 Thread sweep (what ``make gpu-check`` runs on the 16-core GPU machine): ``--threads`` with
 several counts measures our codec alone at each count on a bf16 training state (weights +
 AdamW ``exp_avg`` / ``exp_avg_sq`` of a TinyLM of ``--params`` parameters trained a few steps
@@ -245,12 +250,17 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - t, time.process_time() - c
 
 
-def _worker_split(sd: SD, threads: int) -> tuple[float, float, float]:
-    """CPU seconds of one compress: in all, in the codec's workers, and of that inside native
-    calls (cffi releases the GIL there), on one thread; the rest of a worker's time is Python
-    (GIL held) or numpy/zstd/xxhash work that may release it, so ``native / worker`` is a lower
-    bound on the share of coding that threads can run in parallel.  The numbers are CPU time
-    per thread, so a loaded machine does not bias them as it biases wall time."""
+def _worker_split(sd: SD, threads: int) -> tuple[float, float, float, float, float, float]:
+    """CPU seconds of one compress: in all, in the codec's workers, of that inside native
+    calls (cffi releases the GIL there), in the final copy of the blob's parts into the
+    result (``state_dict._copy_parts``: split over every thread, GIL released), in appending
+    blocks to the blob (``MckpWriter.add_parts``: in order, on the pool's threads when there
+    are several), and what the calling thread does alone on any thread count: before the pool
+    can start (until the second job is handed over: ``state_dict._Coder``) and after the last
+    chunk is coded, the copy aside; measured on one thread.  The rest of a worker's time is
+    Python (GIL held) or numpy/zstd/xxhash work that may release it, so ``native / worker`` is
+    a lower bound on the share of coding that threads can run in parallel.  The numbers are
+    CPU time per thread, so a loaded machine does not bias them as it biases wall time."""
     from mithril_async.codec import rans
     from mithril_async.codec import state_dict as sdm
 
@@ -280,17 +290,78 @@ def _worker_split(sd: SD, threads: int) -> tuple[float, float, float]:
             try:
                 return f(*a, **k)
             finally:
-                work.append(time.thread_time() - t)
+                now = time.thread_time()
+                work.append(now - t)
+                marks["coded"] = now
         return call
 
+    marks: dict[str, float] = {}
+    coder = getattr(sdm, "_Coder", None)
+    submit = getattr(coder, "submit", None)
+
+    def handed(self: Any, job: Any) -> None:
+        submit(self, job)  # type: ignore[misc]
+        if job:
+            marks["jobs"] = marks.get("jobs", 0) + 1
+            if marks["jobs"] == 2:
+                marks["pool"] = time.thread_time()
+
+    copying: list[float] = []
+
+    def copy(*a: Any) -> None:
+        t = time.thread_time()
+        try:
+            copy_parts(*a)
+        finally:
+            copying.append(time.thread_time() - t)
+
+    from mithril_async.codec.container import MckpWriter
+
+    sinking: list[float] = []
+    add_parts = MckpWriter.add_parts
+
+    def added(self: Any, *a: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return add_parts(self, *a)
+        finally:
+            sinking.append(time.thread_time() - t)
+
+    copy_parts = getattr(sdm, "_copy_parts", None)
     saved = rans._lib, K._lib, sdm.encode_chunk, sdm.encode_chunks
     rans._lib, K._lib = Timed(rans._lib), Timed(K._lib)
-    sdm.encode_chunk, sdm.encode_chunks = timed(sdm.encode_chunk), timed(sdm.encode_chunks)
+    init = getattr(coder, "__init__", None)
+    if init is not None:  # a pool task's whole job (slicing the chunks out, then coding)
+
+        def timed_init(self: Any, job_work: Any, *a: Any) -> None:
+            init(self, timed(job_work), *a)
+
+        coder.__init__ = timed_init  # type: ignore[misc]
+    else:
+        sdm.encode_chunk, sdm.encode_chunks = timed(sdm.encode_chunk), timed(sdm.encode_chunks)
+    if copy_parts is not None:
+        sdm._copy_parts = copy  # type: ignore[attr-defined]
+    if submit is not None:
+        coder.submit = handed  # type: ignore[union-attr]
+    MckpWriter.add_parts = added  # type: ignore[method-assign]
     try:
+        start = time.thread_time()
         total = _timed(functools.partial(compress_state_dict, sd, threads=threads))[1]
+        end = time.thread_time()
     finally:
         rans._lib, K._lib, sdm.encode_chunk, sdm.encode_chunks = saved
-    return total, sum(work), sum(spent)
+        if init is not None:
+            coder.__init__ = init  # type: ignore[misc]
+        if copy_parts is not None:
+            sdm._copy_parts = copy_parts  # type: ignore[attr-defined]
+        if submit is not None:
+            coder.submit = submit  # type: ignore[union-attr]
+        MckpWriter.add_parts = add_parts  # type: ignore[method-assign]
+    # alone: before the pool starts (all of the preparation where it never does) and after
+    # the last chunk is coded (the last blocks' assembly, the trailer; not the copy)
+    alone = (marks.get("pool", end) - start) + max(0.0, end - marks.get("coded", end)
+                                                    - sum(copying))
+    return total, sum(work), sum(spent), sum(copying), sum(sinking), alone
 
 
 def scaling(runs: int, nthreads: int, only: str | None) -> None:
@@ -314,9 +385,10 @@ def scaling(runs: int, nthreads: int, only: str | None) -> None:
     print(f"\ncodec thread scaling: {cpu_name()}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start; median of {runs} alternating rounds\n")
     print(f"| data | coder | tensors | 1T wall ms | 1T CPU ms | 2T wall ms | 2T CPU ms "
-          f"| 2T/1T speed | coding CPU ms: in native calls | assembly CPU ms (serial) "
-          f"| {nthreads}T ours/zipnn speed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"| 2T/1T speed | coding CPU ms: in native calls | copy CPU ms (parallel) "
+          f"| in-order sink CPU ms | calling thread CPU ms: alone "
+          f"| Amdahl 2T bound: all calling / alone | {nthreads}T ours/zipnn speed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, sd, zdt in sets:
         raw = raw_of(sd)
         z = (zipnn.ZipNN(method="HUFFMAN", input_format="byte", bytearray_dtype=zdt,
@@ -346,8 +418,15 @@ def scaling(runs: int, nthreads: int, only: str | None) -> None:
                         if theirs is not None:
                             rz.append(theirs / ours)
                 splits = [_worker_split(sd, 1) for _ in range(runs)]
-                total, worker, in_native = (statistics.median(x) for x in zip(*splits,
-                                                                              strict=True))
+                # per run: the calling thread's CPU (the rest) and the two bounds, then medians
+                rows = [(t, w, nat, cp, sk, al, max(0.0, t - w - cp - sk))
+                        for t, w, nat, cp, sk, al in splits]
+                bound_all = statistics.median(t / (c + (t - c) / 2)
+                                              for t, *_, c in rows)
+                bound_alone = statistics.median(t / (al + (t - al) / 2)
+                                                for t, _, _, _, _, al, _ in rows)
+                _total, worker, in_native, copying, sinking, alone, serial = (
+                    statistics.median(x) for x in zip(*rows, strict=True))
                 blobs[native] = compress_state_dict(sd, threads=2)
             finally:
                 rans._env_ok = saved
@@ -357,17 +436,71 @@ def scaling(runs: int, nthreads: int, only: str | None) -> None:
             print(f"| {name} | {'native one-call' if native else 'per-plane Python'} | "
                   f"{len(sd)} | {med(w1) * 1e3:.0f} | {med(c1) * 1e3:.0f} | "
                   f"{med(w2) * 1e3:.0f} | {med(c2) * 1e3:.0f} | x{speed:.2f} | "
-                  f"{worker * 1e3:.0f}: {in_native / worker:.0%} | "
-                  f"{(total - worker) * 1e3:.0f} | {zcell} |")
+                  f"{worker * 1e3:.0f}: {in_native / worker:.0%} | {copying * 1e3:.0f} | "
+                  f"{sinking * 1e3:.0f} | {serial * 1e3:.0f}: {alone * 1e3:.0f} | "
+                  f"x{bound_all:.2f} / x{bound_alone:.2f} | {zcell} |")
         assert blobs[True] == blobs[False], f"{name}: the two coders wrote different bytes"
     print(f"\n2T/1T speed: median over rounds of wall(1 thread) / wall(2 threads); on a "
           f"machine with fewer than 2 idle cores this understates scaling (CPU ms shows the "
           f"work did not grow). Coding CPU: the chunk coders' CPU time on one thread, and "
           f"the share of it inside native calls, where the GIL is released (the rest holds "
-          f"it, except numpy copies and zstd); assembly: the rest of the 1-thread CPU, spent "
-          f"on the calling thread building the blob (header, block headers, whole-blob hash, "
-          f"the final join), serial whatever the thread count. {nthreads}T ours/zipnn: "
+          f"it, except numpy copies and zstd); copy: the final copy of the blob's parts into "
+          f"the result, split over all threads; in-order sink: appending each block to the "
+          f"blob (block header, index entry, whole-blob hash), in order, by whichever pool "
+          f"thread finishes the next chunk in line; calling thread: the rest of the 1-thread "
+          f"CPU (tensor views, chunk jobs, header), and of it what that thread does alone "
+          f"whatever the thread count (before the pool starts, after the last chunk is coded; "
+          f"the rest of it overlaps the coding). Amdahl 2T bound: 1T CPU / "
+          f"(S + (1T CPU - S) / 2), the speed-up two free cores could give at most, with S all "
+          f"the calling thread's CPU (as if none of it overlapped) / only what it does alone. "
+          f"{nthreads}T ours/zipnn: "
           f"zipnn wall / our wall, both at {nthreads} threads (> 1: ours faster).")
+
+
+def save_batching(runs: int, gib: float) -> None:
+    """The saver's encode stage with small chunks batched (issue 21: ``blobs.batch_jobs``)
+    against one pool task per chunk (the bytes are the same), on the GPT-like many-tensor
+    state of ``bench_scale.py``, staged (no budget), compressed, ``runs`` rounds alternating
+    after a warm-up round; medians of per-round ratios.  CPU: the process's CPU time over
+    the save (codec threads, event loop, writer)."""
+    import tempfile
+
+    from bench_scale import build
+
+    from mithril_async import CheckpointManager, parse_config
+    from mithril_async.pipeline import blobs
+
+    model, opt, ntensors, nbytes = build(gib)
+    real = blobs.batch_jobs
+    got: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(runs + 1):
+            for batching in (True, False):
+                blobs.batch_jobs = real if batching else (  # type: ignore[assignment]
+                    lambda jobs, cap: [[j] for j in jobs])
+                cfg = parse_config(f'[checkpointing]\nruns_path = "{d}/{r}{batching}"\n'
+                                   'run_id = "b"\n')
+                try:
+                    with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
+                        c, t = time.process_time(), time.perf_counter()
+                        res = m.save_nowait(1).result()
+                        wall, cpu = time.perf_counter() - t, time.process_time() - c
+                finally:
+                    blobs.batch_jobs = real
+                if r:
+                    got[batching].append((res.bytes_in / 1e6 / res.total_s, cpu, wall))
+    med = statistics.median
+    print(f"\nsaver encode batching: {cpu_name()}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; GPT-like state {nbytes / 2**30:.2f} GiB, {ntensors} "
+          f"tensors; median of {runs} alternating rounds\n")
+    print("| small chunks | save MB/s (raw / total_s) | save CPU s | save wall s |")
+    print("|---|---:|---:|---:|")
+    for b in (True, False):
+        mbs, cpu, wall = (med(x) for x in zip(*got[b], strict=True))
+        print(f"| {'batched' if b else 'one task each'} | {mbs:.0f} | {cpu:.2f} | {wall:.2f} |")
+    pairs = list(zip(got[True], got[False], strict=True))
+    print(f"\nbatched / one task each: throughput x{med([a[0] / b[0] for a, b in pairs]):.2f}, "
+          f"CPU x{med([a[1] / b[1] for a, b in pairs]):.2f} (medians of per-round ratios)")
 
 
 #: seed 000's throughput targets, on 16 cores (GiB/s of raw bytes)
@@ -491,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaling", action="store_true",
                     help="only the codec thread-scaling table (issue 21): 1 vs 2 threads, "
                     "CPU time, native vs per-plane coder, all-core ratio against zipnn")
+    ap.add_argument("--save-batching", type=float, default=None, metavar="GIB",
+                    help="only the saver's encode stage on a many-tensor state of GIB GiB "
+                    "(issue 21): small chunks batched vs one pool task each")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device (torch.cuda.is_available() is false)")
@@ -499,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     n = a.threads[0]
     if a.scaling:
         scaling(a.runs, n, a.only)
+        return 0
+    if a.save_batching is not None:
+        save_batching(a.runs, a.save_batching)
         return 0
     rows: list[Row] = []
     pairs: list[tuple[Row, Row | None]] = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -111,11 +111,14 @@ class EncodedChunk:
     """An encoded chunk: its metadata and stored planes (``parts``, in plane order).
 
     The planes stay separate buffers (raw planes are views of the transform's output) so the
-    container writes them out with a single copy; ``payload`` concatenates them.
+    container writes them out with a single copy; ``payload`` concatenates them.  ``span``:
+    the same bytes as one buffer, when the planes lie back to back in one (the native coder's
+    output), so writing and hashing a block takes one call for its payload, not one per plane.
     """
 
     meta: ChunkMeta
     parts: tuple[Any, ...]
+    span: Any = field(default=None, compare=False, repr=False)
 
     @property
     def payload(self) -> bytes:
@@ -255,8 +258,8 @@ def encode_chunks(items: Sequence[tuple[U8, str, U8 | None]], params: CodecParam
         tbyte = int(transform) | (DELTA_BIT if base is not None else 0)
         batch.append((i, tbyte, width, plane_sizes(transform, width, src.size)))
         total += src.size
-    if batch:
-        planes = _scratch("batch", total)
+    if batch:  # the transform scratch: no encode_chunk above still uses it
+        planes = _scratch("enc", total)
         raws: list[U8] = []
         off = 0
         for i, tbyte, width, _ in batch:
@@ -286,6 +289,7 @@ def _assemble(stored: memoryview, off: int, sizes: list[int], methods: list[int]
     parts: list[Any] = []
     meta_planes: list[tuple[int, int]] = []
     left_over = False
+    start = off
     for method, ln in zip(methods, lens, strict=True):
         data: Any = stored[off:off + ln]
         off += ln
@@ -306,7 +310,7 @@ def _assemble(stored: memoryview, off: int, sizes: list[int], methods: list[int]
         payload_xxh = h.intdigest()
     meta = ChunkMeta(tbyte, width, sum(sizes), raw_xxh, payload_xxh, tuple(meta_planes),
                      CHUNK_HASH_VERSION)
-    return EncodedChunk(meta, tuple(parts))
+    return EncodedChunk(meta, tuple(parts), None if left_over else stored[start:off])
 
 
 def _encode_native(src: U8, buf: U8, sizes: list[int], tbyte: int, width: int,

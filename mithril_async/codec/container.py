@@ -270,7 +270,8 @@ class MckpWriter:
 
     def add_parts(self, tensor_index: int, chunk_index: int, encoded: EncodedChunk,
                   ) -> tuple[Any, ...]:
-        """As :meth:`add`, but the block as separate buffers (header, then each plane).
+        """As :meth:`add`, but the block as separate buffers: its header, then its payload
+        (one buffer where the coder made one, ``EncodedChunk.span``, else each plane).
 
         For callers that concatenate the whole blob anyway: skips one copy of every block.
         """
@@ -303,7 +304,8 @@ class MckpWriter:
         head += HASH.pack(xxhash.xxh64_intdigest(head))
         self._index.append(INDEX_ENTRY.pack(tensor_index, chunk_index, self._size,
                                             len(head) + m.stored_size))
-        parts = (head, *encoded.parts)
+        # the payload as one buffer where the coder made it so (one hash call, one copy)
+        parts = (head, encoded.span) if encoded.span is not None else (head, *encoded.parts)
         for part in parts:
             self._emit(part)
         return parts

@@ -136,6 +136,16 @@ def tensor_bytes(x: torch.Tensor | np.ndarray[Any, Any], *, where: str = "tensor
         shape = tuple(int(s) for s in x.shape)
         arr = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
     elif isinstance(x, torch.Tensor):
+        info = _BY_TORCH.get(x.dtype)
+        if (info is not None and not x.is_nested and x.layout == torch.strided
+                and x.device.type == "cpu" and x.is_contiguous()
+                and not (x.is_conj() or x.is_neg())):
+            # the common case, a plain CPU tensor, viewed in a few calls (a state of many
+            # small tensors pays this per tensor, on the thread that assembles the blob)
+            arr = (x.detach().reshape(-1).view(torch.uint8).numpy() if x.numel()
+                   else np.empty(0, np.uint8))
+            arr.flags.writeable = False
+            return arr, info.name, tuple(x.shape)
         if x.layout != torch.strided or x.is_quantized or x.is_nested:
             raise UnsupportedDtype(f"{where}: unsupported tensor layout {x.layout}")
         name = dtype_name(x, where=where)

@@ -33,7 +33,13 @@ import safetensors.torch
 import torch
 import xxhash
 
-from mithril_async.codec.chunk import CodecParams, EncodedChunk, encode_chunk
+from mithril_async.codec.chunk import (
+    BATCH_CHUNK_BYTES,
+    CodecParams,
+    EncodedChunk,
+    encode_chunk,
+    encode_chunks,
+)
 from mithril_async.codec.container import BlockRef, MckpInfo, MckpWriter, TensorEntry
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.safetensors_io import safetensors_header
@@ -56,6 +62,8 @@ LOSSLESS_FORMATS = ("mckp", "safetensors")
 MIN_AUTO_CHUNK = 1 << 20
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
+#: a finished pool task of :meth:`BlobCodec._run_chunks`: its raw bytes and its blocks
+_Done = tuple[int, list[tuple[int, int, EncodedChunk]]]
 
 
 @dataclass(frozen=True)
@@ -350,6 +358,9 @@ class BlobCodec:
             jobs.extend((ti, ci, off, n) for ci, (off, n) in enumerate(entry.chunks))
         if item.stream is not None:  # what save() waits for is copied out first
             jobs.sort(key=lambda j: _later(views[j[0]]))
+            batches = [[j] for j in jobs]  # each chunk takes its own ring slot
+        else:
+            batches = batch_jobs(jobs, params.chunk_bytes)
         mckp = MckpWriter(entries, params=params, training_step=step,
                           previous_checkpoint_hash=plan.base.xxh64 if plan.base_views and
                           plan.base else None, metadata=self._metadata(item, plan))
@@ -365,7 +376,7 @@ class BlobCodec:
             await writer.write(head)
             del head
             extra = {"floor": floor} if floor else {}
-            await self._run_chunks(jobs, views, bases, entries, params,
+            await self._run_chunks(batches, views, bases, entries, params,
                                    lambda ti, ci, enc: writer.write(mckp.add(ti, ci, enc)),
                                    **extra)
             await writer.write(mckp.finish())
@@ -375,7 +386,7 @@ class BlobCodec:
 
     async def _run_chunks(
         self,
-        jobs: list[tuple[int, int, int, int]],
+        jobs: list[list[tuple[int, int, int, int]]],
         views: list[U8 | StreamedTensor],
         bases: list[U8 | None],
         entries: list[TensorEntry],
@@ -386,26 +397,43 @@ class BlobCodec:
     ) -> None:
         """Encode chunks on the pool, at most ``max_inflight_mib`` of them in flight.
 
-        Each chunk in flight holds two chunks of the host budget (codec scratch, then its
-        encoded block) until written; a streamed tensor's chunk also holds a ring slot from
-        its copy-out until it is encoded. ``floor``: budget this blob already holds for one
-        chunk in flight; further chunks take budget only if it is free now, else this blob
-        writes its own finished chunks first. So a blob never waits for budget that other
-        blobs hold while holding some itself: blobs sharing a budget cannot deadlock."""
+        ``jobs``: the chunks ``(tensor, chunk, offset, length)``, in batches; a batch of
+        several (small chunks, see :func:`batch_jobs`) is one pool task and one native call
+        (``encode_chunks``, the same bytes as ``encode_chunk`` of each), and is accounted as
+        one chunk of its total length. Each chunk in flight holds two chunks of the host
+        budget (codec scratch, then its encoded block) until written; a streamed tensor's
+        chunk also holds a ring slot from its copy-out until it is encoded. ``floor``: budget
+        this blob already holds for one chunk in flight; further chunks take budget only if
+        it is free now, else this blob writes its own finished chunks first. So a blob never
+        waits for budget that other blobs hold while holding some itself: blobs sharing a
+        budget cannot deadlock."""
         loop = asyncio.get_running_loop()
         budget = _Budget(self.inflight_limit(params))
         memory = self.memory
         held = 0  # budget this call took beyond the floor (released whatever happens)
         floor_free = floor
-        pending: dict[asyncio.Future[tuple[int, int, int, EncodedChunk]],
+        pending: dict[asyncio.Future[_Done],
                       tuple[concurrent.futures.Future[Any], SlotLease | None, bool]] = {}
         # finished encodes arrive here in completion order (asyncio.wait over the whole
         # pending set per drained chunk would cost O(chunks^2) callback bookkeeping)
-        finished: asyncio.Queue[asyncio.Future[tuple[int, int, int, EncodedChunk]]] = (
-            asyncio.Queue())
+        finished: asyncio.Queue[asyncio.Future[_Done]] = asyncio.Queue()
 
-        def encode(ti: int, ci: int, off: int, n: int, lease: SlotLease | None
-                   ) -> tuple[int, int, int, EncodedChunk]:
+        def encode_batch(batch: list[tuple[int, int, int, int]], lease: SlotLease | None
+                         ) -> _Done:
+            if len(batch) == 1:
+                ti, ci, off, n = batch[0]
+                return n, [(ti, ci, encode(ti, off, n, lease))]
+            items = []
+            for ti, _, off, n in batch:
+                view, base = views[ti], bases[ti]
+                assert not isinstance(view, StreamedTensor)  # streamed chunks go one by one
+                items.append((view[off:off + n], entries[ti].dtype,
+                              None if base is None else base[off:off + n]))
+            encs = encode_chunks(items, params)
+            return (sum(j[3] for j in batch),
+                    [(ti, ci, enc) for (ti, ci, _, _), enc in zip(batch, encs, strict=True)])
+
+        def encode(ti: int, off: int, n: int, lease: SlotLease | None) -> EncodedChunk:
             view = views[ti]
             try:
                 if isinstance(view, StreamedTensor):
@@ -419,7 +447,7 @@ class BlobCodec:
                 if lease is not None:  # a plane stored raw may be a view of the slot
                     enc = EncodedChunk(enc.meta, tuple(
                         p.tobytes() if isinstance(p, np.ndarray) else p for p in enc.parts))
-                return ti, ci, n, enc
+                return enc
             finally:
                 if lease is not None:  # encoded: the slot may take the next chunk
                     lease.release()
@@ -430,8 +458,9 @@ class BlobCodec:
                 return False
             fut = await finished.get()
             _, _, from_floor = pending.pop(fut)
-            ti, ci, n, enc = fut.result()
-            await sink(ti, ci, enc)
+            n, blocks = fut.result()
+            for ti, ci, enc in blocks:
+                await sink(ti, ci, enc)
             budget.used -= n
             if from_floor:
                 floor_free += 2 * n
@@ -441,7 +470,9 @@ class BlobCodec:
             return True
 
         try:
-            for ti, ci, off, n in jobs:
+            for batch in jobs:
+                ti = batch[0][0]
+                n = sum(j[3] for j in batch)
                 while not budget.fits(n):
                     await drain_one()
                 while True:  # two chunks of budget: the floor, free budget, or our own drain
@@ -460,8 +491,8 @@ class BlobCodec:
                 view = views[ti]
                 lease = (await view.snap.ring.acquire(view.later)
                          if isinstance(view, StreamedTensor) else None)
-                cf = (self._lanes or self.pool).submit(encode, ti, ci, off, n, lease) \
-                    if lease is not None else self.pool.submit(encode, ti, ci, off, n, lease)
+                cf = (self._lanes or self.pool).submit(encode_batch, batch, lease) \
+                    if lease is not None else self.pool.submit(encode_batch, batch, lease)
                 fut = asyncio.wrap_future(cf, loop=loop)
                 fut.add_done_callback(finished.put_nowait)
                 pending[fut] = (cf, lease, from_floor)
@@ -630,6 +661,28 @@ class _Opened:
     verify_blocks: bool
     #: tensors the blob only references, by name
     refs: dict[str, TensorRef]
+
+
+def batch_jobs(jobs: list[tuple[int, int, int, int]], chunk_bytes: int
+               ) -> list[list[tuple[int, int, int, int]]]:
+    """Chunks ``(tensor, chunk, offset, length)`` in batches, in order: runs of small chunks
+    (<= ``BATCH_CHUNK_BYTES``) together up to 16 of that size, but never more bytes than one
+    chunk (``chunk_bytes``), so a batch fits the budget a chunk does; every other chunk alone.
+
+    Why: a state of many small tensors (norms, biases, step counters) pays a pool task, a
+    native call and their Python per chunk; batched it pays them once per batch, and the blob
+    is the same (``encode_chunks`` writes ``encode_chunk``'s bytes, in the same order)."""
+    cap = min(16 * BATCH_CHUNK_BYTES, chunk_bytes)
+    out: list[list[tuple[int, int, int, int]]] = []
+    room = 0
+    for job in jobs:
+        n = job[3]
+        if n > BATCH_CHUNK_BYTES or n > room:
+            out.append([])
+            room = cap
+        out[-1].append(job)
+        room = room - n if n <= BATCH_CHUNK_BYTES else 0
+    return out
 
 
 def _later(view: U8 | StreamedTensor) -> bool:
