@@ -13,9 +13,12 @@ from mithril_async.tiers.tiered import (
     needed_files,
     owned_files,
     owner_of,
+    resharded_files,
+    restore_files,
 )
 from mithril_async.tiers.topology import NodeMap
 from mithril_async.tiers.transport import GlooLink, LocalLink
 
 __all__ = ["GlooLink", "LocalLink", "NodeMap", "NodeStore", "TierCoordinator", "TierResult",
-           "Tiers", "TiersConfig", "check_local_root", "needed_files", "owned_files", "owner_of"]
+           "Tiers", "TiersConfig", "check_local_root", "needed_files", "owned_files", "owner_of",
+           "resharded_files", "restore_files"]

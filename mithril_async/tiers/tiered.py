@@ -46,6 +46,21 @@ background after the restore (hashed whole first if nothing had hashed them whol
 save's tier work, :meth:`Tiers.wait` and :meth:`Tiers.close` wait for that.
 :meth:`Tiers.recover` is the strict form: every file hashed and written into the node folder
 before it returns.
+
+A version saved by another world size (a job back smaller after a node loss) composes with
+the reader's resharding (:mod:`mithril_async.pipeline.reshard`): each rank's files are what
+the reader will read for it (:func:`restore_files`):
+the blobs of the saved ranks whose pieces overlap the boxes it will hold (``plan_reads`` on
+the manager's reshard targets), the lowest saved rank's (skeleton, replicated pieces), every
+saved rank's RNG file, the whole model unless sharded; every saved blob of an item whose plan
+cannot be made here. The fixed replica mapping is that of the saving job's nodes, so instead
+every rank announces which of the version's files its node and replica folders hold
+(:meth:`Tiers._held`, one gather) and a holder sends; else the remote. ``latest`` is the
+newest version whose every such file some rank holds, else complete on the remote
+(:meth:`Tiers._elastic_latest`). The reader then reshards from the node folder and the
+overlay. The node map is always the running job's, so the next save replicates and keeps
+versions by the new nodes; rank 0 numbers it above every version any rank's tiers showed
+(:meth:`Tiers.claim_above_floor`), whatever version the recovery took.
 """
 
 from __future__ import annotations
@@ -61,7 +76,7 @@ import re
 import socket
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +100,8 @@ from mithril_async.errors import (
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.manifest import (
     AliasFile,
+    PieceMeta,
+    ShardRef,
     VersionManifest,
     dump_model,
     parse_model,
@@ -94,6 +111,7 @@ from mithril_async.manifest import (
 )
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.reshard import Box, SavedPiece, plan_reads
 from mithril_async.retention import apply_retention, from_config
 from mithril_async.storage.base import Store, check_range
 from mithril_async.storage.local import LocalStore
@@ -216,6 +234,94 @@ def needed_files(m: VersionManifest, rank: int) -> list[Need]:
     return out
 
 
+#: ``targets(item, saved pieces by tensor name)``: where this rank writes each tensor of a
+#: sharded item (name -> an object with a ``box``), or None (the manager's
+#: ``_reshard_targets``, the same callback its one reader asks)
+Targets = Callable[[str, dict[str, PieceMeta]], Mapping[str, Any] | None]
+
+
+def resharded_files(m: VersionManifest, targets: Targets | None) -> list[Need]:
+    """What the one reader reads for a rank restoring ``m`` on another world size (a
+    reshard, :mod:`mithril_async.pipeline.reshard`): the run's config file and the whole
+    model (unless the model is sharded), for every sharded item the blobs of the saved ranks
+    whose pieces overlap a box this rank will hold (:func:`plan_reads` on the boxes
+    ``targets`` gives, as the reader plans them) and the lowest saved rank's (it supplies
+    the item's skeleton), and every saved rank's RNG file (a reshard maps them all through
+    ``on_reshard``). Conservative where the plan cannot be made here (no ``targets``, an
+    item without pieces, a plan the reader will refuse): every saved rank's blob of that
+    item, so the reader still sees what it needs and reports its own clear error."""
+    out: list[Need] = []
+    if m.config is not None:
+        out.append(Need(m.config.key, 0, m.config.bytes, m.config.xxh64))
+    if "model" not in m.extra:
+        out.append(Need(m.model.key, owner_of(m.model.key), m.model.bytes, m.model.xxh64))
+    for item, shards in _per_rank_items(m).items():
+        refs = {s.rank: s for s in shards}
+        for r in sorted(_saved_ranks_read(item, refs, targets)):
+            out.append(Need(refs[r].key, r, refs[r].bytes, refs[r].xxh64))
+    out.extend(Need(k.key, k.rank, None, k.xxh64) for k in m.rng.keys)
+    return _unique(out)
+
+
+def restore_files(m: VersionManifest, rank: int, world: int, targets: Targets | None
+                  ) -> list[Need]:
+    """What the one reader reads for ``rank`` of a job of ``world`` ranks restoring ``m``:
+    :func:`resharded_files` on another world size; on the same one :func:`needed_files`,
+    plus, for a sharded item restored from its pieces, the lowest saved rank's blob (it
+    supplies the item's skeleton and the replicated pieces, such as step counters)."""
+    if m.world_size != world:
+        return resharded_files(m, targets)
+    out = needed_files(m, rank)
+    if targets is not None:
+        for item, shards in _per_rank_items(m).items():
+            if shards and all(s.pieces for s in shards):
+                refs = {s.rank: s for s in shards}
+                for r in sorted(_saved_ranks_read(item, refs, targets)):
+                    out.append(Need(refs[r].key, r, refs[r].bytes, refs[r].xxh64))
+    return _unique(out)
+
+
+def _per_rank_items(m: VersionManifest) -> dict[str, list[ShardRef]]:
+    items: dict[str, list[ShardRef]] = {}
+    if m.optimizer is not None:
+        items["optimizer"] = list(m.optimizer.shards)
+    items.update({name: list(shards) for name, shards in m.extra.items()})
+    return items
+
+
+def _unique(needs: list[Need]) -> list[Need]:
+    out: dict[str, Need] = {}
+    for n in needs:
+        out.setdefault(n.key, n)
+    return list(out.values())
+
+
+def _saved_ranks_read(item: str, refs: Mapping[int, ShardRef], targets: Targets | None
+                      ) -> set[int]:
+    """The saved ranks whose ``item`` blob a reshard reads on this rank (see
+    :func:`resharded_files`); every saved rank when that cannot be worked out here."""
+    every = set(refs)
+    if targets is None or not refs:
+        return every
+    names = {frozenset(s.pieces) for s in refs.values()}
+    if len(names) != 1 or not next(iter(names)):
+        return every  # not reshardable: the reader refuses it with its own error
+    try:
+        tgts = targets(item, dict(refs[min(refs)].pieces))
+        if tgts is None:
+            return every
+        out = {min(refs)}  # the skeleton
+        for name, t in tgts.items():
+            pieces = [SavedPiece(r, Box.of(p.offsets, p.lengths), p.replicated)
+                      for r, ref in refs.items() if (p := ref.pieces.get(name)) is not None]
+            out.update(rd.rank for rd in plan_reads(f"{item}/{name}", t.box, pieces))
+        return out
+    except Exception as err:  # the reader raises it again, clearly; fetch all meanwhile
+        log.debug("tiers: no read plan for %s here (%r); fetching every saved rank's blob",
+                  item, err)
+        return every
+
+
 def intact(data: bytes | memoryview | None, need: Need) -> bool:
     if data is None:
         return False
@@ -269,6 +375,8 @@ class TierCoordinator:
         self.world_size = inner.world_size
 
     async def agree_version(self, claim: Any) -> int:
+        if self.rank == 0 and self.tiers.floor:
+            return await self.inner.agree_version(lambda: self.tiers.claim_above_floor(claim))
         return await self.inner.agree_version(claim)
 
     async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
@@ -373,12 +481,18 @@ class Tiers:
                 self._loop.close()
                 raise
         self.layout: RunLayout | None = None
+        #: the manager's reshard targets (where its one reader writes each sharded tensor):
+        #: what a recovery onto another world size needs to plan its fetches
+        self._targets: Targets | None = None
         self.results: dict[str, TierResult] = {}
         self._last: concurrent.futures.Future[None] | None = None
         #: newest versions this process saw complete on the remote / replica tier
         self._newest_remote: str | None = None
         self._newest_replicated: str | None = None
         self._closed = False
+        #: the newest version number any rank's tiers showed at the last recovery: rank 0
+        #: numbers the next save above it (:meth:`claim_above_floor`)
+        self.floor = 0
         #: after :meth:`recover`: where each file this rank needed came from
         self.last_sources: dict[str, str] = {}
         #: after :meth:`recover`: seconds from its start to the end of each phase
@@ -430,6 +544,7 @@ class Tiers:
         mgr = CheckpointManager(config, state, store=self.store, runs_prefix=self.runs_prefix,
                                 coordinator=TierCoordinator(inner, self), **kw)
         self.layout = mgr.layout
+        self._targets = getattr(mgr, "_reshard_targets", None)
         return mgr
 
     def close(self) -> None:
@@ -603,6 +718,30 @@ class Tiers:
             for vid in reversed(doomed):  # newest first, like the manager's retention
                 await cat.delete_version(vid)
 
+    async def claim_above_floor(self, claim: Callable[[], Any]) -> int:
+        """Rank 0's version claim after a recovery: above every version folder any rank's
+        tiers showed then. Why: rank 0 claims in its own node folder, which need not hold
+        the newest version another node holds (a recovery that took an older version, say
+        because the newest one had not reached the replicas when a node died, or a fresh
+        node 0). Reusing that number would put a second version under a name another
+        node's folder already commits. A claim of the floor's number is held while the
+        save claims (so it claims above), then dropped."""
+        assert self.layout is not None
+        n = self.floor
+        held: bytes | None = None
+        mine = [version_number(v) for v in await self._folders(self.store)]
+        if max(mine, default=0) < n:
+            with contextlib.suppress(KeyExists):
+                held = await RunCatalog(self.store, self.layout).claim_number(n)
+        try:
+            return int(await claim())
+        finally:
+            if held is not None:
+                key = self.layout.claim_key(n)
+                with contextlib.suppress(Exception):
+                    if await self.store.get(key) == held:
+                        await self.store.delete(key)
+
     def wait(self, timeout: float | None = None) -> list[TierResult]:
         """Wait for the background tier work of every save so far; return the results."""
         if self._last is not None:
@@ -621,7 +760,7 @@ class Tiers:
         if self.layout is None:
             raise ConfigError("Tiers.recover: create the manager first (Tiers.manager)")
         self.wait()
-        rec = self._loop.run(self._recover(target, light=False))
+        rec = self._loop.run(self._recover(target, light=False, targets=self._targets))
         self._loop.run(self._write(rec, [k for k in rec.sources if rec.sources[k] != "local"],
                                    self._hydrate))
         self._finish_recovery(rec)
@@ -648,7 +787,8 @@ class Tiers:
         if self.layout is None:
             raise ConfigError("Tiers.restore: create the manager first (Tiers.manager)")
         self.wait()
-        rec = self._loop.run(self._recover(target, light=True))
+        rec = self._loop.run(self._recover(
+            target, light=True, targets=getattr(manager, "_reshard_targets", self._targets)))
         out: Any = None
         err: BaseException | None = None
         try:
@@ -705,7 +845,8 @@ class Tiers:
                 out.append(version_id(version_number(name)))
         return sorted(out)
 
-    async def _recover(self, target: str, *, light: bool) -> Recovery:
+    async def _recover(self, target: str, *, light: bool, targets: Targets | None = None
+                       ) -> Recovery:
         """Collective: choose the version and get every file this rank needs onto this node.
 
         ``light``: a file in the node folder is checked by size, a copy from a peer by size
@@ -729,6 +870,8 @@ class Tiers:
                 for r in range(self.world))
 
         every = sorted({v for d in inv for t in ("local", "replica", "remote") for v in d[t]})
+        if every:
+            self.floor = max(self.floor, version_number(every[-1]))
         if target == "latest":
             fast_vs = [v for v in every if fast(v)]
             newest_fast = fast_vs[-1] if fast_vs else None
@@ -749,19 +892,32 @@ class Tiers:
                 found = (await self._gloo(self.link.all_gather, found,
                                           "tiers: newest remote version"))[0]
             vid = found or newest_fast
-            if vid is None:
+            got = None if vid is None else await self._manifest(vid, inv)
+            held: list[dict[str, set[str]]] | None = None
+            if got is None or got[0].world_size != self.world:
+                # saved by another world size: the rule above follows the fixed replica
+                # mapping of this job's nodes, not the saving job's; ask the holders instead
+                elastic = await self._elastic_latest(inv, every, fast, targets)
+                if elastic is not None:
+                    vid, got, held = elastic[0], elastic[1:3], elastic[3]
+            if vid is None or got is None:
                 raise VersionNotFound(f"run {self.layout.run_id}: no version is complete on any "
                                       f"tier (local, replicated, remote)")
+            m, mdata = got
         else:
             if target not in every:
                 raise VersionNotFound(f"run {self.layout.run_id}: {target!r} is on no tier")
-            vid = target
-        m, mdata = await self._manifest(vid, inv)
+            vid, held = target, None
+            m, mdata = await self._manifest(vid, inv)
         mkey = self.layout.manifest_key(version_number(vid))
         if not await self.store.exists(mkey):  # the next save numbers its version after it
             with contextlib.suppress(KeyExists):
                 await self.store.put_if_absent(mkey, mdata)
-        rec = Recovery(vid, m, inv, needed_files(m, self.rank), t0=t0, marks=marks)
+        # on another world size (a reshard): the saved ranks' blobs this rank's pieces overlap
+        needs = restore_files(m, self.rank, self.world, targets)
+        rec = Recovery(vid, m, inv, needs, t0=t0, marks=marks)
+        if m.world_size != self.world:
+            rec.held = held if held is not None else await self._held(m)
         for n in rec.needs:  # this node's folder: its own tier, then the copies it holds
             await self._from_node_folder(rec, n, light and n.key != _config_key(m))
         missing = [n.key for n in rec.needs if n.key not in rec.sources]
@@ -772,6 +928,60 @@ class Tiers:
                               self.store)
             marks["small files written"] = time.perf_counter() - t0
         return rec
+
+    async def _elastic_latest(self, inv: list[dict[str, Any]], every: list[str],
+                              fast: Callable[[str], bool], targets: Targets | None
+                              ) -> tuple[str, VersionManifest, bytes,
+                                         list[dict[str, set[str]]] | None] | None:
+        """Collective: the newest version this job can restore when the newest one is saved
+        by another world size (or none is complete by this job's replica mapping): newest
+        first, a version counts if every file each rank's restore reads
+        (:func:`restore_files`) is in some rank's node or replica folder (:meth:`_held`), or
+        if its manifest is on the remote (written last, so every file is there). A version
+        of this world size counts as before (``fast``, or complete on the remote). None if
+        no version does. Why not the version-level rule alone: a node lost while a version
+        was still being replicated leaves that version in the survivors' own folders but
+        not every saved rank's files anywhere fast."""
+        assert self.layout is not None
+        for v in sorted(every, reverse=True):
+            got = await self._try_manifest(v, inv)
+            if got is None:
+                continue
+            m = got[0]
+            held: list[dict[str, set[str]]] | None = None
+            if m.world_size == self.world:
+                ok = fast(v)
+            else:
+                held = await self._held(m)
+                needs = restore_files(m, self.rank, self.world, targets)
+                mine = all(any(n.key in h["local"] or n.key in h["replica"] for h in held)
+                           for n in needs)
+                ok = all(await self._gloo(self.link.all_gather, mine,
+                                          f"tiers: {v} held on the fast tiers"))
+            if not ok and v in inv[0]["remote"]:
+                on_remote = False
+                if self.rank == 0:
+                    assert self.remote is not None
+                    on_remote = await self.remote.exists(
+                        self.layout.manifest_key(version_number(v)))
+                ok = (await self._gloo(self.link.all_gather, on_remote,
+                                       f"tiers: {v} complete on the remote"))[0]
+            if ok:
+                return v, got[0], got[1], held
+        return None
+
+    async def _try_manifest(self, vid: str, inv: list[dict[str, Any]]
+                            ) -> tuple[VersionManifest, bytes] | None:
+        """Collective: :meth:`_manifest`, or None on every rank when some rank found it on no
+        tier (a version folder without its manifest: an upload or save that never finished)."""
+        got: tuple[VersionManifest, bytes] | None = None
+        try:
+            got = await self._manifest(vid, inv)
+        except (VersionNotFound, KeyNotFound, InvalidFormat) as err:
+            log.warning("tiers: %s has no readable manifest on this rank's tiers (%s); "
+                        "trying an older version", vid, err)
+        oks = await self._gloo(self.link.all_gather, got is not None, f"tiers: {vid} manifest")
+        return got if all(oks) else None
 
     async def _manifest(self, vid: str, inv: list[dict[str, Any]]
                         ) -> tuple[VersionManifest, bytes]:
@@ -800,11 +1010,34 @@ class Tiers:
             if self.remote is None:
                 raise VersionNotFound(f"{mkey}: on no tier")
             data = await self.remote.get(mkey)
-        m = parse_model(VersionManifest, data, mkey)
-        if m.world_size != self.world:
-            raise ConfigError(f"{vid} was saved by {m.world_size} ranks; the tier recovery "
-                              f"fetches blobs for the same world size ({self.world})")
-        return m, data
+        return parse_model(VersionManifest, data, mkey), data
+
+    async def _held(self, m: VersionManifest) -> list[dict[str, set[str]]]:
+        """Collective, for a version saved by another world size: which of its files each
+        rank's node folder and replica folder hold (present, of the manifest's size where it
+        gives one). The fixed replica mapping of :mod:`~mithril_async.tiers.topology` is
+        that of the saving job's nodes, not this one's, so the holders are asked instead."""
+        files = [n for r_files in owned_files(m).values() for n in r_files]
+        if m.config is not None:
+            files.append(Need(m.config.key, 0, m.config.bytes, m.config.xxh64))
+        keys = sorted({n.key: n for n in files}.items())
+
+        def scan() -> dict[str, list[int]]:  # one thread for every stat (thousands of files)
+            mine: dict[str, list[int]] = {"local": [], "replica": []}
+            for tier, store in (("local", self.store), ("replica", self.replica_store)):
+                for i, (key, n) in enumerate(keys):
+                    try:
+                        st = os.stat(store.local_path(key))
+                    except (OSError, StorageError, InvalidFormat):
+                        continue
+                    if stat.S_ISREG(st.st_mode) and st.st_size > 0 and (
+                            n.bytes is None or st.st_size == n.bytes):
+                        mine[tier].append(i)
+            return mine
+
+        mine = await asyncio.to_thread(scan)
+        got = await self._gloo(self.link.all_gather, mine, "tiers: files held (reshard)")
+        return [{t: {keys[i][0] for i in d[t]} for t in ("local", "replica")} for d in got]
 
     async def _from_node_folder(self, rec: Recovery, n: Need, light: bool) -> None:
         """Take ``n`` from this node's folder, else the node's replica folder, if a copy
@@ -853,11 +1086,17 @@ class Tiers:
         tag = 0
         for r in range(self.world):  # the same plan, and tags, on every rank
             for key, skip in wants[r]:
-                owner = owner_of(key)
-                cands = [(owner, "local")] + [
-                    (h, "replica") for h in self.nodes.replica_holders(owner, self.tcfg.replicas)]
+                if rec.held is None:  # the same world: the fixed mapping names the holders
+                    owner = owner_of(key)
+                    cands = [(owner, "local")] + [
+                        (h, "replica")
+                        for h in self.nodes.replica_holders(owner, self.tcfg.replicas)]
+                    cands = [(c, t) for c, t in cands if vid in inv[c][t]]
+                else:  # a reshard: the ranks that said they hold the file, own copies first
+                    cands = [(c, t) for t in ("local", "replica") for c in range(self.world)
+                             if key in rec.held[c][t]]
                 pick = next(((c, t) for c, t in cands if c != r and c not in skip
-                             and not self._same_folder(c, r) and vid in inv[c][t]), None)
+                             and not self._same_folder(c, r)), None)
                 if pick is not None:
                     tag += 1
                     plan.append((r, pick[0], tag, pick[1], key))
@@ -1031,6 +1270,9 @@ class Recovery:
     tried: dict[str, set[str | int]] = field(default_factory=dict)
     #: copies already written into the node folder
     written: set[str] = field(default_factory=set)
+    #: for a version saved by another world size: the files each rank's node folder
+    #: ("local") and replica folder ("replica") hold (:meth:`Tiers._held`); None otherwise
+    held: list[dict[str, set[str]]] | None = None
 
     def overlay(self, replica: Store) -> dict[str, bytes | memoryview | Store]:
         """What the node folder serves from elsewhere while the reader restores."""

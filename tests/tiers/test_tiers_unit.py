@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ import torch
 
 from mithril_async import parse_config
 from mithril_async.errors import ConfigError, StorageError
+from mithril_async.manifest import BlobRef, VersionManifest
+from mithril_async.pipeline.reshard import Box
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import (
@@ -22,7 +26,10 @@ from mithril_async.tiers import (
     needed_files,
     owned_files,
     owner_of,
+    resharded_files,
+    restore_files,
 )
+from mithril_async.tiers.transport import Payload
 from tests.manager.conftest import TinyNet
 from tests.ranks import free_port
 
@@ -243,7 +250,7 @@ class _DeadPeerLink:
     def all_gather(self, obj: Any, what: str) -> list[Any]:
         return [obj, None]
 
-    def exchange(self, sends: list[tuple[int, int, bytes]], recvs: list[tuple[int, int]],
+    def exchange(self, sends: list[tuple[int, int, Payload]], recvs: list[tuple[int, int]],
                  what: str) -> dict[int, bytes | memoryview]:
         from mithril_async.errors import DistributedError
         assert sends and not recvs  # rank 0 sends its blobs, holds nothing here
@@ -317,3 +324,71 @@ def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Pa
     assert sorted(p.name for p in versions.iterdir()) == ["v000004"]
     mgr.close()
     tiers.close()
+
+
+def _sharded_manifest(world: int, rows: int = 8) -> Any:
+    """A version saved by ``world`` ranks: a ``Shard(0)`` tensor ``w`` (``rows`` rows split
+    evenly) and a replicated step counter, in optimizer shards; per-rank RNG files."""
+    from mithril_async.manifest import (
+        OptimizerEntry,
+        PieceMeta,
+        RankKey,
+        ResumeInfo,
+        RngEntry,
+        ShardRef,
+    )
+
+    vdir = "runs/r/versions/v000003"
+    per = rows // world
+    shards = [ShardRef(key=f"{vdir}/opt_shard_rank{r:04d}.bin", rank=r, bytes=100 + r,
+                       xxh64=f"{r:016x}", pieces={
+                           "w": PieceMeta(global_shape=[rows, 2], offsets=[r * per, 0],
+                                          lengths=[per, 2], dtype="float32"),
+                           "step": PieceMeta(global_shape=[], offsets=[], lengths=[],
+                                             dtype="float32", replicated=True)})
+              for r in range(world)]
+    return VersionManifest(
+        run_id="r", version_id="v000003", created_at=datetime.now(UTC), step=3,
+        world_size=world, resume=ResumeInfo(base_step=3, exact=True),
+        model=BlobRef(key=f"{vdir}/model.mckp", bytes=10, xxh64="a" * 16),
+        optimizer=OptimizerEntry(shards=shards),
+        rng=RngEntry(keys=[RankKey(key=f"{vdir}/rng_rank{r:04d}.json", rank=r)
+                           for r in range(world)]))
+
+
+def test_resharded_files_are_the_overlapping_saved_ranks() -> None:
+    """4 saved ranks onto 2: each new rank fetches the saved blobs its rows overlap, and the
+    lowest saved rank's (skeleton, replicated step), every RNG file, the whole model; not
+    the others. Without a plan (no targets, or one that fails) every saved blob, so the
+    reader still finds what it needs and reports its own error."""
+    m = _sharded_manifest(4)
+
+    def targets_for(new_rank: int, world: int) -> Any:
+        def targets(item: str, pieces: dict[str, Any]) -> dict[str, Any]:
+            assert item == "optimizer" and set(pieces) == {"w", "step"}
+            per = 8 // world
+            return {"w": SimpleNamespace(box=Box.of([new_rank * per, 0], [per, 2])),
+                    "step": SimpleNamespace(box=Box.of([], []))}
+        return targets
+
+    def blobs(needs: list[Any]) -> set[int]:
+        return {n.owner for n in needs if "opt_shard" in n.key}
+
+    for rank, want in ((0, {0, 1}), (1, {0, 2, 3})):
+        needs = resharded_files(m, targets_for(rank, 2))
+        assert blobs(needs) == want, rank
+        assert sum("rng_rank" in n.key for n in needs) == 4
+        assert any(n.key.endswith("model.mckp") for n in needs)
+        assert restore_files(m, rank, 2, targets_for(rank, 2)) == needs
+    assert blobs(resharded_files(m, None)) == {0, 1, 2, 3}
+
+    def broken(item: str, pieces: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("no live state")
+
+    assert blobs(resharded_files(m, broken)) == {0, 1, 2, 3}
+    # the same world: its own files, plus the lowest rank's blob (skeleton, replicated
+    # pieces), which the one reader reads for any restore from pieces
+    same = restore_files(m, 2, 4, targets_for(2, 4))
+    assert blobs(same) == {0, 2}
+    assert [n.key.rsplit("/", 1)[1] for n in same if "rng" in n.key] == ["rng_rank0002.json"]
+    assert blobs(restore_files(m, 2, 4, None)) == {2}  # no targets: as before
