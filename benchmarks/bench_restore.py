@@ -12,20 +12,34 @@ reads the same files' worth of bytes from the page cache (each is loaded once be
     python benchmarks/bench_restore.py --reshard [--runs 3] [--reshard-layers 6]
 
 Prints one line per system: median seconds, GB/s of state, ratio to ``torch.load`` (time,
-ours/theirs: below 1 is faster), peak extra RSS. "before" rows run the restore path as it was
-before issue 25 (decode into fresh tensors, then ``load_state_dict``) in the same process.
+ours/theirs: below 1 is faster), peak extra RSS. "mithril compressed" restores with the
+default ``verify = "block"`` (one read, every block verified before it is written);
+"verify=whole" rows verify every blob whole before the first write (two reads). Uncompressed
+blobs have no per-block hashes and take the two-read path in both modes. "before" rows run the
+restore path as it was before issue 25 (decode into fresh tensors, then ``load_state_dict``)
+in the same process.
+
+    python benchmarks/bench_restore.py --s3 [--runs 3] [--s3-mib 128] [--s3-server rgw]
+
+restores a fp32 state of ``--s3-mib`` MiB from a moto server (its own process; or a real
+Ceph RGW started here, ``--s3-server rgw``) with
+``mode = "remote_only"``: ``verify = "block"`` (in place, memory bounded by the in-flight
+budget), ``"whole"`` (decoded into fresh tensors, then loaded) and a plain parallel download
+of the same blobs (boto3 ``download_fileobj``, 8 threads) as the anchor. moto copies a whole
+object for every ranged GET, so ranged restores are slower there than on S3.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +221,112 @@ def reshard_bench(layers: int, d: int, reps: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ------------------------------------------------------------------ from S3 (moto)
+class Weights(torch.nn.Module):
+    """``n`` fp32 matrices of 2048 x 2048 (16 MiB each)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(2048, 2048, generator=g)
+                                                           * 0.02) for _ in range(n))
+
+
+@contextlib.contextmanager
+def s3_server(kind: str) -> Iterator[str]:
+    """An S3 endpoint on 127.0.0.1 with bucket ``bench``: moto in its own process, or a real
+    Ceph RGW (tests/rgw_server.py, ~20 s to start). Dummy credentials only."""
+    import os
+
+    import boto3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1")
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    if kind == "rgw":
+        from tests.rgw_server import CephRGW
+
+        with CephRGW(bucket="bench", block_gib=8.0) as rgw:
+            yield rgw.endpoint_url
+        return
+    from bench_s3 import free_port, start_moto
+
+    port = free_port()
+    proc = start_moto(port)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="bench")
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def s3_bench(mib: int, reps: int, kind: str) -> None:
+    """Restores from an S3 server (remote_only): block vs whole vs a plain parallel download
+    of the same blobs."""
+    with s3_server(kind) as endpoint:
+        _s3_bench(endpoint, mib, reps, kind)
+
+
+def _s3_bench(endpoint: str, mib: int, reps: int, kind: str) -> None:
+    import io
+
+    import boto3
+    from bench_s3 import remote_only_config
+    from boto3.s3.transfer import TransferConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_restore_s3_"))
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        n = max(1, mib // 16)
+        saved = Weights(n, 0)
+        live = Weights(n, 1)
+        nbytes = sum(p.numel() * 4 for p in saved.parameters())
+        where = "moto, its own process" if kind == "moto" else "Ceph RGW"
+        print(f"S3 ({where}): fp32 state {nbytes / 2**20:.0f} MiB ({n} tensors), "
+              f"remote_only, median of {reps}")
+        transfer = TransferConfig(max_concurrency=8, multipart_chunksize=8 << 20)
+        for comp in (True, False):
+            label = "compressed" if comp else "uncompressed"
+            prefix = f"r{label}"
+            with CheckpointManager(remote_only_config(str(tmp / "runs"), "bench", prefix,
+                                                      endpoint, 8, 8, comp),
+                                   {"model": saved}) as m:
+                m.save_nowait(1).result()
+            keys = [o["Key"] for o in client.list_objects_v2(
+                Bucket="bench", Prefix=prefix)["Contents"]
+                    if o["Key"].endswith((".mckp", ".bin", ".safetensors"))]
+            mgr = CheckpointManager(remote_only_config(str(tmp / "runs"), "bench", prefix,
+                                                       endpoint, 8, 8, comp), {"model": live})
+
+            def download(keys: list[str] = keys) -> None:
+                for k in keys:
+                    client.download_fileobj("bench", k, io.BytesIO(), Config=transfer)
+
+            rows = {
+                "verify=block": lambda m=mgr: m.restore_sync("latest", verify="block"),
+                "verify=whole": lambda m=mgr: m.restore_sync("latest", verify="whole"),
+                "plain download (boto3)": download,
+            }
+            out = {name: timed(fn, reps) for name, fn in rows.items()}
+            mgr.close()
+            ok = all(torch.equal(a, b) for a, b in zip(live.parameters(), saved.parameters(),
+                                                        strict=True))
+            anchor = out["plain download (boto3)"][0]
+            for name, (sec, peak) in out.items():
+                print(f"  {label:<12} {name:<24} {sec:7.3f} s  vs download {sec / anchor:5.2f}x"
+                      f"  peak extra RSS {peak / 2**20:8.1f} MiB", flush=True)
+            print(f"  {label}: live state equals the saved one: {ok}")
+            with torch.no_grad():  # the next round restores into other values again
+                for p in live.parameters():
+                    p.add_(1.0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -216,9 +336,16 @@ def main() -> None:
     ap.add_argument("--reshard", action="store_true",
                     help="only the resharded restores (2 <-> 4 ranks, gloo) vs same-world")
     ap.add_argument("--reshard-layers", type=int, default=6)
+    ap.add_argument("--s3", action="store_true",
+                    help="only the restores from S3 (moto): verify=block/whole vs a download")
+    ap.add_argument("--s3-mib", type=int, default=128)
+    ap.add_argument("--s3-server", choices=["moto", "rgw"], default="moto")
     args = ap.parse_args()
     if args.reshard:
         reshard_bench(args.reshard_layers, args.d, args.runs)
+        return
+    if args.s3:
+        s3_bench(args.s3_mib, args.runs, args.s3_server)
         return
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
@@ -241,12 +368,12 @@ def main() -> None:
         live_model, live_moments = make_state(args.layers, args.d, seed=1)
         live = flat(live_model, live_moments)
 
-        def ours(compress: bool) -> Callable[[], Any]:
+        def ours(compress: bool, verify: Any = "block") -> Callable[[], Any]:
             runs = tmp / ("runs_c" if compress else "runs_u")
             mgr = CheckpointManager(config(runs, compress),
                                     {"model": live_model, "optimizer": live_moments})
             managers.append(mgr)
-            return lambda: mgr.restore_sync("latest")
+            return lambda: mgr.restore_sync("latest", verify=verify)
 
         def before(compress: bool) -> Callable[[], Any]:
             """The restore as it was before issue 25, for comparison: every item decoded
@@ -271,6 +398,7 @@ def main() -> None:
                     str(tmp / "state.safetensors"))),
             "dcp.load (into live)": lambda: dcp.load(live, checkpoint_id=str(tmp / "dcp")),
             "mithril compressed": ours(True),
+            "mithril compressed, verify=whole": ours(True, "whole"),
             "mithril uncompressed": ours(False),
             "mithril compressed, before": before(True),
             "mithril uncompressed, before": before(False),
@@ -282,7 +410,7 @@ def main() -> None:
                 continue
             results[name] = timed(fn, args.runs)
             s, peak = results[name]
-            print(f"  {name:<28} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
+            print(f"  {name:<33} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
                   f"peak extra RSS {peak / 2**20:8.1f} MiB", flush=True)
         for mgr in managers:
             mgr.close()
@@ -291,7 +419,7 @@ def main() -> None:
         base = results.get("torch.load")
         dcp_s = results.get("dcp.load (into live)")
         for name, (s, _peak) in results.items():
-            line = f"  {name:<28}"
+            line = f"  {name:<33}"
             if base:
                 line += f"  time vs torch.load {s / base[0]:5.2f}x"
                 line += f"  throughput vs torch.load {base[0] / s:5.2f}x"

@@ -129,6 +129,23 @@ def check_host_memory(comp: CompressionConfig, pipe: PipelineConfig) -> None:
             "a blob's first bytes) plus 4 MiB; raise it or lower chunk_mib")
 
 
+class RestoreConfig(_Strict):
+    """How restores verify what they write into the live state (``[checkpointing.restore]``).
+
+    ``verify = "block"`` (default): one read of each blob; every block's header and payload
+    hash (and the blob's header, index and trailer hashes) checked before a byte of it is
+    decoded into a live tensor, its decoded bytes' hash after. A damaged block found after
+    others were written raises ``RestoreIncomplete`` (the live state partially overwritten;
+    ``restore(fallback=True)`` then restores an older version over all of it). Uncompressed
+    (safetensors) blobs carry one whole-file hash only, so they are still verified whole
+    before the first write. ``"whole"``: every blob verified whole before the first write,
+    then read again and decoded: a damaged version leaves the live state untouched, at the
+    price of a second read (and, over S3, decoding into fresh tensors: memory = the state).
+    """
+
+    verify: Literal["block", "whole"] = "block"
+
+
 class RemoteConfig(_Strict):
     """S3-compatible remote (``[checkpointing.remote]``)."""
 
@@ -188,7 +205,7 @@ class LossyConfig(_Strict):
 
 class CheckpointingConfig(_Strict):
     """The ``[checkpointing]`` table (runs, aliases, retention, plus compression,
-    pipeline, remote and lossy)."""
+    pipeline, remote, restore and lossy)."""
 
     runs_path: str = "runs"
     run_id: str | None = Field(
@@ -204,6 +221,7 @@ class CheckpointingConfig(_Strict):
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig())
     pipeline: PipelineConfig = Field(default_factory=lambda: PipelineConfig())
     remote: RemoteConfig | None = None
+    restore: RestoreConfig = Field(default_factory=lambda: RestoreConfig())
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
     #: [checkpointing.tiers] (node-local tier, peer replicas, remote): the raw table, validated
     #: by mithril_async.tiers.TiersConfig when a Tiers is built from this config; None: off

@@ -36,6 +36,7 @@ from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ConfigError,
     InvalidFormat,
+    RestoreIncomplete,
     SaveFailed,
     SaveInProgress,
     StepAlreadyExists,
@@ -454,7 +455,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ restore
     async def restore(self, target: str | int = "latest", *, fallback: bool = False,
                       load: Literal["all", "model"] = "all",
-                      on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
+                      on_reshard: OnReshard = default_on_reshard,
+                      verify: Literal["block", "whole"] | None = None) -> RestoreResult:
         """Load a committed version into the live state; return its step (a
         :class:`RestoreResult`: an int that also says ``resume.exact``).
 
@@ -468,25 +470,37 @@ class CheckpointManager:
         is restored, a new rank is reseeded deterministically (``state.reseed_rng``); each
         data-loader state (``get_state``) is ``on_reshard(states_by_rank, new_rank,
         new_world)`` (default: :func:`~mithril_async.state.default_on_reshard`).
+
+        ``verify`` (None: ``[checkpointing.restore] verify``, default ``"block"``): how what
+        is decoded into the live tensors is verified. ``"block"``: one read, every block
+        verified before it is written; damage found after the first write raises
+        :class:`~mithril_async.errors.RestoreIncomplete` (partially overwritten), or with
+        ``fallback=True`` restores the newest older version that verifies over all of it.
+        ``"whole"``: every blob verified whole first, so damage leaves the live state
+        untouched (a second read of every byte; over S3, fresh tensors: memory = the state).
         """
         loop = self._started(maintain=False)
-        decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load)))
+        decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load,
+                                                                   verify)))
         return self._apply(decoded, load, on_reshard)
 
     def restore_sync(self, target: str | int = "latest", *, fallback: bool = False,
                      load: Literal["all", "model"] = "all",
-                     on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
-        decoded = self._bg(self._read(target, fallback, load))
+                     on_reshard: OnReshard = default_on_reshard,
+                     verify: Literal["block", "whole"] | None = None) -> RestoreResult:
+        decoded = self._bg(self._read(target, fallback, load, verify))
         return self._apply(decoded, load, on_reshard)
 
-    async def _read(self, target: str | int, fallback: bool, load: str) -> DecodedVersion:
+    async def _read(self, target: str | int, fallback: bool, load: str,
+                    verify: str | None = None) -> DecodedVersion:
         # per-rank RNG/data state is not restored for a model-only load
         if self._guard is not None:  # a copy still reading the live tensors finishes first
             await asyncio.get_running_loop().run_in_executor(None, self._guard.wait)
         return await self._reader.read_version(
             target, rank=self.rank, world_size=self.world_size, fallback=fallback,
             items={"model"} if load == "model" else None, rng=load != "model",
-            reshard=self._reshard_targets, in_place=self._in_place_targets)
+            reshard=self._reshard_targets, in_place=self._in_place_targets,
+            verify=verify or self.cfg.restore.verify)
 
     def _in_place_targets(self, item: str) -> Mapping[str, Any] | None:
         """The live tensors of a (not sharded) item by stored name, to decode straight into:
@@ -510,6 +524,21 @@ class CheckpointManager:
 
     def _apply(self, decoded: DecodedVersion, load: str,
                on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
+        if decoded.after_partial is None:
+            return self._load(decoded, load, on_reshard)
+        # a fallback over a partially overwritten state: the live state is this version's
+        # only once every item is loaded, so a failure on the way is RestoreIncomplete
+        try:
+            return self._load(decoded, load, on_reshard)
+        except Exception as err:
+            raise RestoreIncomplete(
+                f"restore fell back to {decoded.manifest.version_id} after the newer version "
+                f"failed with the live state partially overwritten ({decoded.after_partial}), "
+                f"and loading it failed: the live state is partially overwritten; cause: "
+                f"{type(err).__name__}: {err}") from err
+
+    def _load(self, decoded: DecodedVersion, load: str,
+              on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
         m, trees, rng_doc = decoded.manifest, decoded.trees, decoded.rng
         if self._guard is not None:  # a copy still reading the live tensors finishes first
             self._guard.wait()

@@ -1,15 +1,31 @@
 """Restores that write straight into the live tensors, with memory bounded by the pipeline's
 in-flight budget, whatever the state's size.
 
-Same layout (:func:`verify_blob`, then :func:`decode_into`): every blob of the version is
-first verified whole, streamed in windows of a few MiB (size and the manifest's XXH64), with
-nothing written; then read again by ranges and decoded straight into the live tensors' memory
-(MCKP: each block's header and payload hash checked again before a byte of it is decoded, its
-decoded bytes' hash after) or, uncompressed (``.safetensors``), copied there by one native
-``copy_batch`` per window (GIL released, no ``torch.Tensor.copy_``) while its bytes are hashed
-again. A live tensor of another shape is :class:`~mithril_async.errors.ShapeMismatch` before
-any item writes; one of another dtype, not contiguous or not on the CPU is decoded into a
-fresh tensor as before (``load_state_dict`` then converts it).
+Same layout (:func:`decode_into`), two ways of verifying (``[checkpointing.restore] verify``):
+
+- ``"block"`` (default): each MCKP blob is read once, by ranges, in windows of a few MiB: its
+  size (the manifest's), trailer, header and index checked by their own hashes, the blocks
+  tiling the data area (no gap, no overlap, so every byte but the 8-byte whole-blob hash at
+  the end is under a hash this pass checks), the header's step and item the manifest's; then
+  every block's header and payload hash before a byte of it is decoded straight into the live
+  tensors' memory, its decoded bytes' hash after. Truncation, extension and reordered or
+  swapped blocks are caught (size, trailer, index, each block's own tensor/chunk numbers).
+  The manifest's whole-blob xxh64 is not recomputed: it would cost a serial hash of every
+  byte (~15 % of a restore here); what it alone would catch is a self-consistent blob of the
+  same size, step and item that is not the recorded one (another rank's shard, say).
+- ``"whole"``: every blob is first verified whole (:func:`verify_blob`: streamed, size and
+  the manifest's xxh64), with nothing written, then read again and decoded as above.
+
+Uncompressed (``.safetensors``) blobs carry one whole-file hash and no per-block ones: in both
+modes they are verified whole first, then copied in by one native ``copy_batch`` per window
+(GIL released, no ``torch.Tensor.copy_``) while their bytes are hashed again. A live tensor of
+another shape is :class:`~mithril_async.errors.ShapeMismatch` before any item writes. One of
+another dtype or on a device (CUDA), contiguous, is staged (:class:`StagingRing`): each block
+is decoded into one of a few reused chunk-sized host buffers (pinned when a target is on a
+device) and copied from there into its span of the live tensor (converting the dtype; on
+CUDA a ``non_blocking`` copy on a side stream, the buffer reused only once its event has
+completed), so it too is restored in place within a bounded memory. A live tensor that is
+not contiguous is decoded into a fresh tensor as before (``load_state_dict`` then copies it).
 
 Sharded state on any world size and mesh (:func:`prepare_pieces`, then :func:`apply_pieces`):
 for every tensor, before anything is read, the live global shape and dtype must be the saved
@@ -21,12 +37,20 @@ span this rank needs of each tensor (:func:`read_spans`; ranged reads, every blo
 all of them concurrently, and only when every item is decoded are the overlaps copied into the
 live local shards (one ``copy_batch`` per item).
 
-Guarantee: a damaged or missing blob, piece or RNG file leaves the live state untouched and
-raises its own typed error (so ``restore(fallback=True)`` can move on to an older version). A
-failure after the first byte was written (a blob that changed between the verifying and the
-decoding pass, a decode whose verified payload does not give the recorded bytes) raises
-:class:`~mithril_async.errors.RestoreIncomplete`: partially overwritten, never returned as if
-restored. Tensors written here have their autograd version counter bumped, as ``copy_`` would.
+Guarantee: a missing blob, piece or RNG file, a damaged RNG file, trailer, header or index, a
+damaged piece (a restore from pieces decodes them all before writing), a live shape that
+differs, and with ``"whole"`` any damage, leave the live state untouched and
+raise their own typed error (so ``restore(fallback=True)`` can move on to an older version).
+With ``"block"`` a damaged block is found only when its window is read: if no block of the
+restore has been written yet, its own typed error (untouched); otherwise
+:class:`~mithril_async.errors.RestoreIncomplete` naming the blobs written (partially
+overwritten: the blocks decoded so far hold the version's bytes, the others their old ones),
+and the reader's ``fallback=True`` then writes an older version over every item touched. The
+same :class:`~mithril_async.errors.RestoreIncomplete` for a blob that changed between the
+two reads (``"whole"``).
+Never returned as if restored; no decode is still running when the error is raised
+(:func:`settled`). Tensors written here have their autograd version counter bumped, as
+``copy_`` would.
 """
 
 from __future__ import annotations
@@ -36,6 +60,7 @@ import collections
 import itertools
 import json
 import math
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +72,7 @@ import xxhash
 from mithril_async.codec.chunk import decode_chunk
 from mithril_async.codec.container import (
     FLAG_DELTA,
+    PREAMBLE,
     AsyncMckpRangeReader,
     BlockRef,
     MckpInfo,
@@ -64,13 +90,15 @@ from mithril_async.errors import (
     ShapeMismatch,
 )
 from mithril_async.manifest import BlobRef, ShardRef
-from mithril_async.pipeline.blobs import REFS_KEY, SKELETON_KEY, BlobCodec, LoadBlob
+from mithril_async.pipeline.blobs import ITEM_KEY, REFS_KEY, SKELETON_KEY, BlobCodec, LoadBlob
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.reshard import Box, Read, SavedPiece, copy_runs, plan_reads
 from mithril_async.storage.base import Store
 
-__all__ = ["PreparedPieces", "Progress", "apply_pieces", "decode_into", "guard_writes",
-           "inplace_view", "mark_written", "prepare_pieces", "takes_in_place", "verify_blob"]
+__all__ = ["CudaCopier", "HostCopier", "PreparedPieces", "Progress", "StagingRing",
+           "apply_pieces", "copier_for", "decode_into", "guard_writes", "inplace_view",
+           "mark_written", "prepare_pieces", "settled", "stageable", "takes_in_place",
+           "verify_blob"]
 
 
 @dataclass
@@ -78,6 +106,8 @@ class Progress:
     """What a restore has written into the live state so far (for its failure message)."""
 
     written: list[str] = field(default_factory=list)
+    #: the state items written into (some of their tensors may hold their old values)
+    items: set[str] = field(default_factory=set)
 
     @property
     def touched(self) -> bool:
@@ -247,6 +277,8 @@ def inplace_view(t: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> np.ndar
 async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tensor],
                       pool: Any, budget: int, version: str, progress: Progress,
                       opened: Callable[[], Awaitable[None]] | None = None,
+                      verified: bool = True, step: int | None = None,
+                      item: str | None = None,
                       ) -> tuple[Any, dict[str, torch.Tensor]] | None:
     """Decode MCKP blob ``ref`` straight into the live tensors ``live`` (by stored name),
     streaming its blocks in windows (:func:`window_plan`: a few MiB each, as many in flight
@@ -255,10 +287,15 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
     copied in the same way (:func:`_decode_safetensors_into`). None when the blob is not one
     this path takes (:func:`takes_in_place`): the caller decodes it the usual way.
 
-    The caller has verified the whole blob first (:func:`verify_blob`); this pass checks the
-    trailer, header and index by their own hashes, every block's header and payload hash
-    again before any byte of it is decoded into a live tensor (a blob changed since the
-    verifying pass is caught there), and its decoded bytes' hash right after. A tensor the
+    ``verified``: the caller has verified the whole blob first (:func:`verify_blob`; the
+    ``"whole"`` mode). Either way this pass checks the trailer, header and index by their own
+    hashes, every block's header and payload hash before any byte of it is decoded into a
+    live tensor (a blob changed since the verifying pass is caught there), and its decoded
+    bytes' hash right after. Not ``verified`` (the one-pass ``"block"`` mode of an MCKP
+    blob), before anything is written: the blocks must tile the data area exactly (no gap,
+    no overlap), and the header's training step and item name, where it records them, must
+    be ``step`` and ``item`` (the manifest's): a blob of another version or item put in
+    its place is :class:`InvalidFormat`. A tensor the
     live state cannot take in place (another dtype, not contiguous, not on the CPU) is
     decoded into a fresh tensor as before. A live tensor of another shape than the saved one
     is :class:`ShapeMismatch` naming it, raised once the header is read and before anything
@@ -276,32 +313,49 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
     info = await _open_mckp(store, ref, size)
     skeleton = _skeleton_of(info, ref.key)
     _check_shapes(ref.key, live, ((t.name, t.shape) for t in info.tensors))
+    blocks = sorted(info.index.values(), key=lambda r: r.offset)
+    if not verified:
+        _check_tiling(ref.key, info, blocks)
+        _check_binding(ref.key, info, step, item)
     if opened is not None:
         await opened()
     outs: list[np.ndarray] = []
     tensors: dict[str, torch.Tensor] = {}
     fresh: list[int] = []
+    staged: dict[int, torch.Tensor] = {}
     for ti, t in enumerate(info.tensors):
         target = live.get(t.name)
         view = None if target is None else inplace_view(target, t.dtype, t.shape)
-        if view is None:
+        if view is None and target is not None and stageable(target, t.dtype, t.shape):
+            staged[ti] = target
+            tensors[t.name] = target
+            view = np.empty(0, np.uint8)  # decoded through the staging ring instead
+        elif view is None:
             view = np.empty(t.nbytes, np.uint8)
             fresh.append(ti)
         else:
             tensors[t.name] = target  # type: ignore[assignment]
         outs.append(view)
+    ring = None
+    if staged:
+        biggest = max(ln for ti in staged for _, ln in info.tensors[ti].chunks)
+        # as many buffers as windows in flight, within the budget (at least one)
+        depth = window_plan(budget, _threads(pool), _remote(store))[1]
+        ring = StagingRing(info, staged, biggest, max(1, min(depth, budget // biggest)))
 
     def dest(b: BlockRef) -> np.ndarray:
         off, ln = info.tensors[b.tensor].chunks[b.chunk]
         return outs[b.tensor][off:off + ln]
 
     def started() -> None:
-        if not progress.written or progress.written[-1] != ref.key:
+        if ref.key not in progress.written:
             progress.written.append(ref.key)
 
-    await _decode_blocks(store, ref.key, info, list(info.index.values()), dest, pool, budget,
-                         started)
-    mark_written(t for n, t in tensors.items() if live.get(n) is t)
+    try:
+        await _decode_blocks(store, ref.key, info, blocks, dest, pool, budget, started, ring)
+    finally:  # what was written is written, whatever stopped the rest
+        if ref.key in progress.written:
+            mark_written(t for n, t in tensors.items() if live.get(n) is t)
     for ti in fresh:
         t = info.tensors[ti]
         tensors[t.name] = tensor_from_bytes(outs[ti], t.dtype, t.shape, where=t.name)
@@ -311,10 +365,18 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
 async def _open_mckp(store: Store, ref: BlobRef, size: int) -> MckpInfo:
     """Trailer, header and index of MCKP blob ``ref`` by ranged reads, each checked by its
     own hash; a blob that is a delta or references tensors its manifest entry does not name,
-    or declares other raw bytes than recorded, is :class:`InvalidFormat`."""
+    or declares other raw bytes than recorded, is :class:`InvalidFormat`. Every byte is read
+    once (the preamble is not fetched again with the header)."""
+    got: dict[tuple[int, int], bytes] = {}  # (offset, length) -> bytes
 
     async def read_range(offset: int, length: int) -> bytes:
-        return await store.get_range(ref.key, offset, length)
+        pre = got.get((0, PREAMBLE.size))
+        if offset == 0 and pre is not None and length > len(pre):  # the header: the rest
+            data = pre + await store.get_range(ref.key, len(pre), length - len(pre))
+        else:
+            data = await store.get_range(ref.key, offset, length)
+        got[(offset, length)] = data
+        return data
 
     try:
         info = await AsyncMckpRangeReader(read_range, size).open()
@@ -331,24 +393,182 @@ async def _open_mckp(store: Store, ref: BlobRef, size: int) -> MckpInfo:
     return info
 
 
+def _check_tiling(key: str, info: MckpInfo, blocks: list[BlockRef]) -> None:
+    """The blocks (sorted by offset) fill the data area exactly, as the writer lays them out:
+    what a one-pass restore hashes window by window is then every byte of the blob."""
+    at = info.data_start
+    for b in blocks:
+        if b.offset != at:
+            raise InvalidFormat(f"{key}: {info.block_name(b.tensor, b.chunk)} starts at "
+                                f"{b.offset}, the previous block ends at {at}")
+        at += b.length
+    if at != info.data_end:
+        raise InvalidFormat(f"{key}: the blocks end at {at}, the index starts at "
+                            f"{info.data_end}")
+
+
+def stageable(t: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether a live tensor that cannot take decoded bytes in place takes them through the
+    staging ring: dense, contiguous, of the saved shape, on the CPU or a CUDA device, of a
+    dtype torch can convert the saved one to (the saved dtype known to torch)."""
+    info = dtype_info(dtype)
+    return (info.torch_dtype is not None and t.layout == torch.strided and t.is_contiguous()
+            and tuple(t.shape) == tuple(shape) and t.device.type in ("cpu", "cuda")
+            and not (t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested)
+            and t.numel() > 0)
+
+
+class HostCopier:
+    """Copies a staged chunk into its span of a CPU live tensor (converting its dtype)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+
+class CudaCopier:
+    """Copies a staged chunk (pinned) into its span of a CUDA live tensor: a ``non_blocking``
+    copy on a side stream ordered after the work queued on the current stream when the
+    restore began (``ready``: nothing still using the live tensor is overwritten under it),
+    then that copy's event waited for on this (codec) thread only, so the buffer is reused
+    only once the device has read it (no device-wide synchronize), and every copy is done
+    when the restore returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.ready = torch.cuda.Event()
+        self.ready.record(torch.cuda.current_stream(device))
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.ready)
+            dst.copy_(src, non_blocking=True)
+            event.record(self.stream)
+        event.synchronize()
+
+
+def copier_for(device: torch.device) -> HostCopier | CudaCopier:
+    """The copier for live tensors on ``device`` (tests stand in for the CUDA one)."""
+    return CudaCopier(device) if device.type == "cuda" else HostCopier()
+
+
+class StagingRing:
+    """A few reused host buffers of one chunk each through which the blocks of staged
+    tensors reach their live tensors (:func:`stageable`): a block's buffer is leased before
+    its decode is submitted (at most ``slots`` at a time, so at most ``slots`` chunks of
+    memory) and given back once its copy into the live tensor is complete. Pinned when a
+    target is on a CUDA device."""
+
+    def __init__(self, info: MckpInfo, targets: Mapping[int, torch.Tensor], slot_bytes: int,
+                 slots: int) -> None:
+        from mithril_async.pipeline.stager import SlotRing
+
+        self.info, self.targets = info, targets
+        pin = any(t.device.type == "cuda" for t in targets.values()) \
+            and torch.cuda.is_available()
+        self.ring = SlotRing(max(1, slots), slot_bytes, pin=pin)
+        self.copiers = {d: copier_for(d) for d in {t.device for t in targets.values()}}
+        #: the most buffers leased at once (for tests: the bound)
+        self.peak = 0
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def wants(self, b: BlockRef) -> bool:
+        return b.tensor in self.targets
+
+    async def lease(self) -> Any:
+        lease = await self.ring.acquire()
+        with self._lock:
+            self._held += 1
+            self.peak = max(self.peak, self._held)
+        return lease
+
+    def release(self, lease: Any) -> None:
+        with self._lock:
+            self._held -= 1
+        lease.release()
+
+    def finish(self, b: BlockRef, lease: Any) -> None:
+        """Copy block ``b``'s decoded bytes (in leased buffer ``lease``) into its span of
+        the live tensor."""
+        t = self.info.tensors[b.tensor]
+        off, ln = t.chunks[b.chunk]
+        info = dtype_info(t.dtype)
+        target = self.targets[b.tensor].detach()  # a leaf that requires grad takes it too
+        src = lease.tensor[:ln].view(info.torch_dtype)
+        dst = target.view(-1)[off // info.itemsize:(off + ln) // info.itemsize]
+        self.copiers[target.device].copy(dst, src)
+
+
+def _check_binding(key: str, info: MckpInfo, step: int | None, item: str | None) -> None:
+    """The blob's header records the version's step and the item it belongs to (where it
+    records them): a blob of another version or item put in this one's place is caught
+    without its whole hash."""
+    if step is not None and info.training_step is not None and info.training_step != step:
+        raise InvalidFormat(f"{key}: its header says step {info.training_step}, the manifest's is "
+                            f"{step} (a blob of another version?)")
+    saved = info.metadata.get(ITEM_KEY)
+    if item is not None and saved is not None and saved != item:
+        raise InvalidFormat(f"{key}: its header says item {saved!r}, the manifest lists it "
+                            f"as {item!r}")
+
+
 async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[BlockRef],
                          dest: Callable[[BlockRef], np.ndarray], pool: Any, budget: int,
-                         started: Callable[[], None] = lambda: None) -> None:
+                         started: Callable[[], None] = lambda: None,
+                         ring: StagingRing | None = None) -> None:
     """Read ``blocks`` of blob ``key`` (adjacent ones merged into reads of a few MiB, as many
     in flight as :func:`window_plan` allows within ``budget``) and decode each into
     ``dest(block)`` on ``pool``: its header and payload hash checked before a byte of it is
-    decoded, its decoded bytes' hash after. ``started()`` runs before the first decode."""
-    window, depth = window_plan(budget, _threads(pool))
+    decoded, its decoded bytes' hash after. ``started()`` runs (on a pool thread) once the
+    first block has passed its checks, before its first byte is decoded; no decode is still
+    running when this returns or raises (:func:`settled`). ``ring``: the blocks it wants are
+    decoded into a leased buffer of it and copied from there into their live tensor."""
+    window, depth = window_plan(budget, _threads(pool), _remote(store))
     windows = _windows(sorted(blocks, key=lambda r: r.offset), window)
-    loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(depth)  # windows read and not yet decoded: the memory bound
 
+    once = threading.Lock()
+    fired = [False]
+
     def work(b: BlockRef, mv: memoryview, base: int) -> None:
-        meta, payload = block_from_bytes(mv[b.offset - base:b.offset - base + b.length], b,
-                                         info, verify_payload=True)
-        decode_chunk(payload, meta, None, dest(b),
+        try:
+            meta, payload = block_from_bytes(mv[b.offset - base:b.offset - base + b.length],
+                                             b, info, verify_payload=True)
+        except ChecksumMismatch as err:  # name the blob: the block's own message cannot
+            raise ChecksumMismatch(f"{key}: {err.where}", err.expected, err.actual) from None
+        except InvalidFormat as err:
+            raise type(err)(f"{key}: {err}") from None
+        if not fired[0]:  # the first block verified: the first write is about to happen
+            with once:
+                if not fired[0]:
+                    started()
+                    fired[0] = True
+        out = staged_dest.get((b.tensor, b.chunk))
+        decode_chunk(payload, meta, None, dest(b) if out is None else out,
                      where=f"{key}: {info.block_name(b.tensor, b.chunk)}",
                      verify_payload=False)
+
+    #: staged blocks being decoded -> their leased buffer (set and read on one pool thread)
+    staged_dest: dict[tuple[int, int], np.ndarray] = {}
+
+    def work_staged(b: BlockRef, mv: memoryview, base: int, lease: Any) -> None:
+        assert ring is not None
+        ln = info.tensors[b.tensor].chunks[b.chunk][1]
+        staged_dest[(b.tensor, b.chunk)] = lease.array[:ln]
+        try:
+            work(b, mv, base)
+        finally:
+            del staged_dest[(b.tensor, b.chunk)]
+        ring.finish(b, lease)
+
+    async def staged_block(b: BlockRef, mv: memoryview, base: int) -> None:
+        assert ring is not None
+        lease = await ring.lease()
+        try:  # settled: the work has finished (or never started) when this returns
+            await settled(pool, [(work_staged, (b, mv, base, lease))])
+        finally:
+            ring.release(lease)
 
     async def one(span: tuple[int, int], wblocks: list[BlockRef]) -> None:
         async with slots:
@@ -357,9 +577,13 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
                 raise InvalidFormat(f"{key}: ranged read of {span[1]} bytes at {span[0]} "
                                     f"returned {len(data)}")
             mv = memoryview(data).cast("B")
-            started()
-            await asyncio.gather(*(loop.run_in_executor(pool, work, b, mv, span[0])
-                                   for b in wblocks))
+            if ring is None:
+                await settled(pool, [(work, (b, mv, span[0])) for b in wblocks])
+                return
+            await all_or_first_error(
+                [settled(pool, [(work, (b, mv, span[0])) for b in wblocks
+                                if not ring.wants(b)]),
+                 *(staged_block(b, mv, span[0]) for b in wblocks if ring.wants(b))])
 
     await all_or_first_error([one(span, wblocks) for span, wblocks in windows])
 
@@ -413,12 +637,31 @@ async def read_spans(store: Store, ref: BlobRef, spans: Mapping[str, tuple[int, 
 WINDOW = 4 << 20
 
 
-def window_plan(budget: int, threads: int) -> tuple[int, int]:
+#: bytes per ranged read from a remote store (S3): a request's latency is paid per read, and
+#: servers serve larger ranges at full speed
+REMOTE_WINDOW = 8 << 20
+
+
+def window_plan(budget: int, threads: int, remote: int = 0) -> tuple[int, int]:
     """``(window bytes, windows in flight)`` for a restore allowed ``budget`` bytes in
     flight: :data:`WINDOW`-sized reads, as many in flight as keep every codec thread busy
-    (two per thread, at least 3) and fit the budget (at least 2)."""
+    (two per thread, at least 3) and fit the budget (at least 2). ``remote``: the store's
+    request concurrency, for a store across a network (``remote_reads``): reads of up to
+    :data:`REMOTE_WINDOW` (half the budget at most, :data:`WINDOW` at least), as many in
+    flight as the store runs requests at once and the budget allows (at least 2): there
+    the reads' latency, not the codec threads, is what to hide."""
+    if remote:
+        window = max(WINDOW, min(REMOTE_WINDOW, budget // 2))
+        return window, max(2, min(remote, budget // window))
     depth = max(2, min(max(3, 2 * threads), budget // WINDOW))
     return WINDOW, depth
+
+
+def _remote(store: Store) -> int:
+    """The request concurrency of a store read across a network (0 for a local one)."""
+    if not getattr(store, "remote_reads", False):
+        return 0
+    return max(1, int(getattr(store, "max_concurrency", 8) or 8))
 
 
 async def _ordered(spans: list[tuple[int, int]], read: Any, depth: int,
@@ -472,6 +715,33 @@ async def verify_blob(store: Store, ref: BlobRef, pool: Any, budget: int) -> Non
     got = h.hexdigest()
     if got != ref.xxh64:
         raise ChecksumMismatch(ref.key, ref.xxh64, got)
+
+
+async def settled(pool: Any, calls: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+    """Run ``calls`` on ``pool``; return (or raise the first one's error) only once none is
+    running, even when cancelled meanwhile (a call not started yet is then dropped): a call
+    writing into the live tensors cannot be stopped once it runs, and a restore must not
+    report, nor a fallback begin writing an older version, while one still writes."""
+    if not calls:
+        return
+    futs = [pool.submit(fn, *args) for fn, args in calls]
+    waits = [asyncio.wrap_future(f) for f in futs]
+    try:
+        await asyncio.wait(waits)
+    except asyncio.CancelledError:
+        for f in futs:
+            f.cancel()  # those not started yet; a running one goes on
+        running = [w for w in waits if not w.done()]
+        if running:
+            await asyncio.wait(running)
+        for w in waits:  # retrieved: the cancellation is what is raised
+            if w.done() and not w.cancelled():
+                w.exception()
+        raise
+    errors = [w.exception() for w in waits]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def _threads(pool: Any) -> int:
@@ -572,7 +842,6 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
             tensors[name] = target  # type: ignore[assignment]
         # the live tensors and ``tensors`` keep every destination alive while it is copied to
         outs.append((b, e, view.ctypes.data if view.size else 0))
-    loop = asyncio.get_running_loop()
     window, depth = window_plan(budget, _threads(pool))
 
     async def read(off: int, ln: int) -> bytes:
@@ -585,8 +854,7 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
                 for b, e, dst in outs if b < w1 and e > w0 and dst]
         if not progress.written or progress.written[-1] != ref.key:
             progress.written.append(ref.key)
-        await asyncio.gather(loop.run_in_executor(pool, copy_batch, jobs),
-                             loop.run_in_executor(pool, h.update, data))
+        await settled(pool, [(copy_batch, (jobs,)), (h.update, (data,))])
 
     await _ordered([(o, min(window, size - o)) for o in range(start, size, window)], read,
                    depth, copy, ref.key)

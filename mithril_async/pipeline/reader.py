@@ -9,10 +9,11 @@ saved at the manifest's step (a manifest carries no checksum of its own, so an a
 caught there). Reading never writes: no claims, no alias repairs.
 
 Restoring into live objects (the manager passes their tensors): a version of the same layout
-is decoded straight into the live tensors, every blob verified whole before the first write;
-sharded state whose manifest recorded its pieces restores on any world size and mesh, each
-rank reading only the pieces (chunks) it needs (:mod:`~mithril_async.pipeline.inplace`,
-:mod:`~mithril_async.pipeline.reshard`).
+is decoded straight into the live tensors, in one pass with every block verified before it is
+written (``verify="block"``, the default) or with every blob verified whole before the first
+write (``verify="whole"``); sharded state whose manifest recorded its pieces restores on any
+world size and mesh, each rank reading only the pieces (chunks) it needs
+(:mod:`~mithril_async.pipeline.inplace`, :mod:`~mithril_async.pipeline.reshard`).
 
 Lightning and DeepSpeed checkpoints are single files, not run versions: :func:`read_tree_file`
 decodes those (the same container verification, no manifest).
@@ -33,10 +34,12 @@ import xxhash
 from mithril_async.catalog import RunCatalog
 from mithril_async.errors import (
     ChecksumMismatch,
+    ConfigError,
     DistributedError,
     InvalidFormat,
     KeyNotFound,
     MissingPrevious,
+    RestoreIncomplete,
     VersionNotFound,
 )
 from mithril_async.manifest import BlobRef, PieceMeta, ShardRef, VersionManifest, version_number
@@ -62,6 +65,8 @@ R = TypeVar("R")
 
 #: what a damaged version raises; ``fallback=True`` moves on to an older version on these
 RESTORE_ERRORS = (ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious)
+#: how a restore verifies what it writes into the live state (``[checkpointing.restore]``)
+VERIFY_MODES = ("block", "whole")
 
 
 class _Decoded(NamedTuple):
@@ -86,11 +91,17 @@ class DecodedVersion(_Decoded):
       data-loader state mean nothing there: the caller decides); None otherwise;
     - ``in_place``: items whose every tensor was decoded straight into the live tensors
       (their trees hold those very tensors): loading them again copies nothing new.
+    - ``after_partial``: set when this version was reached by ``fallback=True`` after the
+      target failed with the live state partially overwritten (one-pass ``"block"``
+      restores): the error that stopped the target. Every item it wrote is in ``trees``;
+      loading them all makes the live state this version's, and a failure while loading
+      leaves it mixed (the manager raises ``RestoreIncomplete`` then).
     """
 
     from_pieces: frozenset[str]
     rng_by_rank: dict[int, dict[str, Any]] | None
     in_place: frozenset[str]
+    after_partial: str | None
 
     def __new__(cls, manifest: VersionManifest, trees: dict[str, Any], rng: dict[str, Any],
                 from_pieces: frozenset[str] = frozenset(),
@@ -98,6 +109,7 @@ class DecodedVersion(_Decoded):
                 in_place: frozenset[str] = frozenset()) -> DecodedVersion:
         self = super().__new__(cls, manifest, trees, rng)
         self.from_pieces, self.rng_by_rank, self.in_place = from_pieces, rng_by_rank, in_place
+        self.after_partial = None
         return self
 
 
@@ -171,7 +183,8 @@ class VersionReader:
                            world_size: int | None = None, items: Collection[str] | None = None,
                            rng: bool = True, fallback: bool = False,
                            reshard: ReshardTargets | None = None,
-                           in_place: InPlaceTargets | None = None) -> DecodedVersion:
+                           in_place: InPlaceTargets | None = None,
+                           verify: str = "block") -> DecodedVersion:
         """Decode ``target`` ("latest", "best", "v000003", a step, a manifest key) for ``rank``.
 
         ``items``: the state items to decode (None: all). ``rng``: also read and verify the
@@ -184,17 +197,41 @@ class VersionReader:
         pieces restores on any world size and mesh (:meth:`_reshard`), writing those items
         straight into the live tensors. ``in_place``: the live tensors of each item; a
         version of the same layout is then decoded straight into them (MCKP blobs that are
-        no delta; :func:`~mithril_async.pipeline.inplace.decode_into`), block by block, each
-        block verified before it is written; a failure after the first write raises
-        :class:`~mithril_async.errors.RestoreIncomplete` (no fallback then).
+        no delta, uncompressed blobs; :func:`~mithril_async.pipeline.inplace.decode_into`),
+        block by block, each block verified before it is written; a failure after the first
+        write raises :class:`~mithril_async.errors.RestoreIncomplete`.
+
+        ``verify`` (:data:`VERIFY_MODES`), for what is decoded into the live tensors:
+        ``"block"`` reads each MCKP blob once (each block verified before it is written; the
+        manifest's whole-blob hash is not recomputed), so a damaged block can be found after
+        others were written: ``RestoreIncomplete``; with ``fallback`` the newest older version that
+        verifies is then restored over every item written (all of their tensors), and only
+        if none does is ``RestoreIncomplete`` raised. Uncompressed blobs, which have no
+        per-block hashes, are verified whole before their first write in both modes.
+        ``"whole"`` verifies every blob whole before the first write (a damaged version
+        leaves the live state untouched; a blob that changes between the two reads is
+        ``RestoreIncomplete``, with no fallback), and over S3 decodes into fresh tensors.
         """
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"restore verify = {verify!r}: must be one of "
+                              f"{', '.join(map(repr, VERIFY_MODES))}")
         key = await self.catalog.resolve(target)
+        progress = Progress()
         try:
-            return await self._decode(key, rank, world_size, items, rng, reshard, in_place)
+            return await self._decode(key, rank, world_size, items, rng, reshard, in_place,
+                                      verify, progress)
         except RESTORE_ERRORS as err:
             if not fallback:
                 raise
+            first_err: Exception = err
+        except RestoreIncomplete as err:
+            # one-pass restores find damage after writing: an older version written over
+            # every item touched still leaves the live state whole (only then, and only
+            # when what was touched is known)
+            if not fallback or verify != "block" or not progress.items:
+                raise
             first_err = err
+        touched = set(progress.items)
         bad_vid = key.rsplit("/", 2)[-2]
         try:
             bad_step: int | None = (await self.catalog.read_manifest(key)).step
@@ -205,22 +242,45 @@ class VersionReader:
                     else version_number(m.version_id) >= version_number(bad_vid)):
                 continue
             cand = self.catalog.layout.manifest_key(version_number(m.version_id))
+            again = Progress()
             try:
                 out = await self._decode(cand, rank, world_size, items, rng, reshard,
-                                         in_place)
+                                         in_place, verify, again)
             except RESTORE_ERRORS as err:
                 log.warning("fallback: %s does not verify either: %s", m.version_id, err)
                 continue
+            except RestoreIncomplete as err:
+                if verify != "block" or not again.items:
+                    raise
+                touched |= again.items
+                log.warning("fallback: %s does not verify either (after writing %s): %s",
+                            m.version_id, ", ".join(sorted(again.items)), err)
+                continue
+            if touched:
+                missing = sorted(touched - set(out.trees))
+                if missing:
+                    raise RestoreIncomplete(
+                        f"restore of {bad_vid} failed after writing into the live state "
+                        f"({', '.join(sorted(touched))}) and the older {m.version_id} has no "
+                        f"{', '.join(missing)} to write over it: the live state is partially "
+                        f"overwritten; cause: {first_err}") from first_err
+                out.after_partial = str(first_err)
             log.warning("restore fell back from %s (%s) to %s (step %d)", bad_vid,
                         first_err, m.version_id, m.step)
             return out
+        if touched:
+            raise RestoreIncomplete(
+                f"restore of {bad_vid} failed after writing into the live state "
+                f"({', '.join(sorted(touched))}) and no older version verifies: the live "
+                f"state is partially overwritten; first error: {first_err}") from first_err
         raise VersionNotFound(f"no version at or before {bad_vid} verifies; "
                               f"first error: {first_err}") from first_err
 
     async def _decode(self, key: str, rank: int, world_size: int | None,
                       items: Collection[str] | None, rng: bool,
                       reshard: ReshardTargets | None = None,
-                      in_place: InPlaceTargets | None = None) -> DecodedVersion:
+                      in_place: InPlaceTargets | None = None, verify: str = "block",
+                      progress: Progress | None = None) -> DecodedVersion:
         m = await self.catalog.read_manifest(key)
         model_only = items is not None and set(items) == {"model"}
         if world_size is not None and reshard is not None:
@@ -241,32 +301,40 @@ class VersionReader:
         lossy_rank = rank if world_size is None or m.world_size == world_size else 0
         lossy = await self._read_lossy(m, lossy_rank)
         load_blob = BaseLoader(self.catalog, self.codec, m.version_id)
-        progress = Progress()
+        progress = Progress() if progress is None else progress
         # the in-flight budget of a save bounds a restore too, shared by the items
         budget = (self.codec.pipe.max_inflight_mib << 20) // max(1, len(refs))
-        # In place only where reading a blob twice is cheap (local disk, page cache, memory):
-        # over S3 the two passes cost 3-4x a single read, so blobs are decoded into fresh
-        # tensors there (one pass, every block verified) and loaded as before.
+        # A blob verified whole before its first write is read twice: over S3 the two passes
+        # cost 3-4x a single read, so there such blobs are decoded into fresh tensors (one
+        # pass, every block verified) and loaded as before. MCKP blobs restored one pass
+        # (verify="block") go straight into the live tensors everywhere.
         remote = getattr(self.catalog.store, "remote_reads", False)
+
+        def two_pass(ref: BlobRef) -> bool:
+            return verify == "whole" or ref.format != "mckp"
+
         live = {name: t for name, ref in refs.items()
-                if in_place is not None and not lossy and not remote and takes_in_place(ref)
-                and (t := in_place(name))}
+                if in_place is not None and not lossy and takes_in_place(ref)
+                and not (remote and two_pass(ref)) and (t := in_place(name))}
         # Phase 1, nothing written yet: the RNG file, every blob decoded into the live
-        # tensors verified whole (streamed), the others decoded into fresh tensors as ever.
-        # Items run concurrently: one's reads and Python work overlap another's decoding.
+        # tensors in two passes verified whole (streamed), the others decoded into fresh
+        # tensors as ever. Items run concurrently: one's reads and Python work overlap
+        # another's decoding.
         rng_doc = await self.read_rng(m, rank) if rng else {}
 
         async def phase1(name: str, ref: BlobRef) -> tuple[Any, dict[str, torch.Tensor]] | None:
             if name in live:
-                await verify_blob(self.catalog.store, ref, self.pool, budget)
+                if two_pass(ref):
+                    await verify_blob(self.catalog.store, ref, self.pool, budget)
                 return None
             return await self.codec.read(self.catalog.store, ref, load_blob)
 
         first = await all_or_first_error([phase1(name, ref) for name, ref in refs.items()])
         decoded = dict(zip(refs, first, strict=True))
-        # Phase 2: the verified blobs decoded straight into the live tensors, each block's
-        # hashes checked again on the way (a blob changed since phase 1 is caught; once a
-        # byte is written, a failure is RestoreIncomplete: partially overwritten)
+        # Phase 2: the blobs decoded straight into the live tensors, each block's hashes
+        # checked before it is written (again, for a blob verified whole in phase 1: a blob
+        # changed since is caught); once a byte is written, a failure is RestoreIncomplete:
+        # partially overwritten. No item writes before every item's header checked out.
         done_in_place: set[str] = set()
         all_open = asyncio.Event()
         waiting = [len(live)]
@@ -278,8 +346,14 @@ class VersionReader:
             await all_open.wait()
 
         async def phase2(name: str) -> None:
-            got = await decode_into(self.catalog.store, refs[name], live[name], self.pool,
-                                    budget, m.version_id, progress, opened)
+            try:
+                got = await decode_into(self.catalog.store, refs[name], live[name], self.pool,
+                                        budget, m.version_id, progress, opened,
+                                        verified=two_pass(refs[name]), step=m.step,
+                                        item=name)
+            finally:
+                if refs[name].key in progress.written:
+                    progress.items.add(name)
             assert got is not None  # takes_in_place(ref) was checked
             decoded[name] = got
             if all(live[name].get(n) is t for n, t in got[1].items()):

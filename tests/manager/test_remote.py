@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 import torch
 
 from mithril_async import CheckpointManager, parse_config
 from tests.manager.conftest import make_state, state_equal, train_step
-from tests.s3_server import MotoS3
+from tests.ranks import free_port
+from tests.s3_server import MotoS3, dummy_env
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +86,10 @@ def test_remote_only_streams_multipart_and_restores_elsewhere(s3: MotoS3,
 def test_remote_only_restore_reads_each_blob_once(s3: MotoS3, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   compressed: bool) -> None:
-    """Over S3 a restore decodes each blob in one pass (every block still verified) instead
-    of the local stores' verify-then-decode-in-place two passes, which cost a second read of
-    every byte over the network."""
+    """Over S3 a restore reads each blob once (every block still verified), never verifying
+    it in a separate pass first (a second read of every byte over the network): compressed
+    blobs one pass straight into the live tensors (``verify = "block"``, the default),
+    uncompressed ones (one whole-file hash, no per-block ones) into fresh tensors."""
     import mithril_async.pipeline.reader as reader
     from mithril_async.storage.s3.store import S3Store
 
@@ -107,8 +117,90 @@ def test_remote_only_restore_reads_each_blob_once(s3: MotoS3, tmp_path: Path,
 
     monkeypatch.setattr(S3Store, "get_range", counting)
     monkeypatch.setattr(reader, "verify_blob", no_second_pass)
-    model2, opt2, _ = make_state(seed=5)
+    model2, opt2, batcher2 = make_state(seed=5)
+    train_step(model2, opt2, batcher2)  # the optimizer has moments to restore into
+    ptrs = {n: t.data_ptr() for n, t in model2.state_dict().items()}
     with CheckpointManager(cfg, {"model": model2, "optimizer": opt2}) as m:
         assert m.restore_sync("latest") == 1
     assert state_equal(saved, model2.state_dict())
     assert read[0] <= stored  # ranged reads of the blobs add up to at most one pass
+    if compressed:  # in place: every byte of the blobs read by ranges, exactly once
+        assert read[0] == stored
+        assert {n: t.data_ptr() for n, t in model2.state_dict().items()} == ptrs
+
+
+@contextlib.contextmanager
+def moto_process() -> Iterator[str]:
+    """A moto server in a process of its own (its copies of objects are not this process's
+    memory), with dummy credentials; yields its endpoint."""
+    port = free_port()
+    with dummy_env():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env=dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(1 << 30)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(600):  # waits for the server to listen (not a timing assertion)
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        raise RuntimeError("moto server exited") from None
+                    time.sleep(0.1)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def test_block_restore_from_s3_is_in_place_with_memory_bounded_by_the_budget(
+        tmp_path: Path) -> None:
+    """``verify = "block"`` restores an S3 blob straight into the live tensors through
+    windows bounded by ``max_inflight_mib`` (8 MiB here): the Python memory it allocates
+    (tracemalloc: response bodies, windows, decode buffers) stays near the budget for a
+    48 MiB state, where ``"whole"`` (decode into fresh tensors, then load) holds more than
+    the state."""
+    import tracemalloc
+
+    def net(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+
+    with moto_process() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket="mem")
+
+        def cfg(runs: Path) -> Any:
+            return parse_config(
+                f'[checkpointing]\nruns_path = "{runs}"\nrun_id = "r1"\n'
+                f'[checkpointing.remote]\nbucket = "mem"\nprefix = "p"\n'
+                f'endpoint_url = "{endpoint}"\nregion_name = "us-east-1"\n'
+                'mode = "remote_only"\npart_mib = 5\n[checkpointing.compression]\n'
+                "chunk_mib = 1\n[checkpointing.pipeline]\nmax_inflight_mib = 8\n")
+
+        model = net(0)
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        with CheckpointManager(cfg(tmp_path / "a" / "runs"), {"model": model}) as m:
+            m.save_nowait(1).result()
+        live = net(5)
+        ptrs = [p.data_ptr() for p in live.parameters()]
+        peaks = {}
+        with CheckpointManager(cfg(tmp_path / "b" / "runs"), {"model": live}) as m:
+            for mode in ("block", "whole"):
+                with torch.no_grad():
+                    for p in live.parameters():
+                        p.add_(1.0)  # other values than the saved ones
+                tracemalloc.start()
+                try:
+                    assert m.restore_sync("latest", verify=mode) == 1
+                    peaks[mode] = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+                assert all(torch.equal(a, b) for a, b in zip(live.parameters(),
+                                                              model.parameters(), strict=True))
+                if mode == "block":
+                    assert [p.data_ptr() for p in live.parameters()] == ptrs
+    assert nbytes > 48 << 20
+    assert peaks["block"] < (8 << 20) + (16 << 20), peaks  # the budget + slack
+    assert peaks["whole"] > nbytes, peaks  # what the measurement would show without it

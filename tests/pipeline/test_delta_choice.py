@@ -202,7 +202,7 @@ def test_a_base_is_read_by_ranges_when_little_of_it_is_needed(tmp_path: Path) ->
         assert m.restore_sync(2) == 2
         assert all(torch.equal(held[k], seen[1][k]) for k in held)
         with pytest.raises(ChecksumMismatch):
-            m.restore_sync(1)  # a whole-blob read checks every byte
+            m.restore_sync(1, verify="whole")  # a whole-blob read checks every byte
     bad = bytearray(good)
     bad[w.offset + w.length - 3] ^= 0x10
     v1.write_bytes(bytes(bad))
