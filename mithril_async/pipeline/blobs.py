@@ -527,7 +527,7 @@ class BlobCodec:
         tensors = await self._decode(ref, opened, load_blob, only)
         if only is None:
             _check_raw_bytes(ref, _nbytes(tensors.values()))
-        return _skeleton(opened.info.metadata, ref.key), tensors
+        return skeleton_of(opened.info.metadata, ref.key), tensors
 
     async def read_each(self, store: Store, ref: BlobRef, new_loader: Callable[[], LoadBlob],
                         ) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -544,7 +544,7 @@ class BlobCodec:
             for item in opened[1].items():
                 yield item
             return
-        _skeleton(opened.info.metadata, ref.key)  # a blob that restores must have one
+        skeleton_of(opened.info.metadata, ref.key)  # a blob that restores must have one
         total = 0
         for name in [*(t.name for t in opened.info.tensors), *opened.refs]:
             tensor = (await self._decode(ref, opened, new_loader(), frozenset((name,))))[name]
@@ -700,7 +700,8 @@ def _check_raw_bytes(ref: BlobRef, total: int) -> None:
                             f"{ref.raw_bytes}")
 
 
-def _skeleton(metadata: dict[str, Any], where: str) -> Any:
+def skeleton_of(metadata: dict[str, Any], where: str) -> Any:
+    """The state skeleton a blob's metadata records (``InvalidFormat`` if absent or not JSON)."""
     raw = metadata.get(SKELETON_KEY)
     if not isinstance(raw, str):
         raise InvalidFormat(f"{where}: blob has no state skeleton")
@@ -717,4 +718,4 @@ def _decode_safetensors(data: bytes, where: str) -> tuple[Any, dict[str, torch.T
         metadata = json.loads(data[8:8 + header_len]).get("__metadata__", {})
     except Exception as err:
         raise InvalidFormat(f"{where}: not a valid safetensors blob ({err})") from None
-    return _skeleton(metadata, where), tensors
+    return skeleton_of(metadata, where), tensors

@@ -90,7 +90,13 @@ from mithril_async.errors import (
     ShapeMismatch,
 )
 from mithril_async.manifest import BlobRef, ShardRef
-from mithril_async.pipeline.blobs import ITEM_KEY, REFS_KEY, SKELETON_KEY, BlobCodec, LoadBlob
+from mithril_async.pipeline.blobs import (
+    ITEM_KEY,
+    REFS_KEY,
+    BlobCodec,
+    LoadBlob,
+    skeleton_of,
+)
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.reshard import Box, Read, SavedPiece, copy_runs, plan_reads
 from mithril_async.storage.base import Store
@@ -311,7 +317,7 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
         return await _decode_safetensors_into(store, ref, live, pool, budget, progress, opened)
 
     info = await _open_mckp(store, ref, size)
-    skeleton = _skeleton_of(info, ref.key)
+    skeleton = skeleton_of(info.metadata, ref.key)
     _check_shapes(ref.key, live, ((t.name, t.shape) for t in info.tensors))
     blocks = sorted(info.index.values(), key=lambda r: r.offset)
     if not verified:
@@ -628,7 +634,7 @@ async def read_spans(store: Store, ref: BlobRef, spans: Mapping[str, tuple[int, 
 
     await _decode_blocks(store, ref.key, info, [info.index[k] for k in where], dest, pool,
                          budget)
-    return _skeleton_of(info, ref.key), out
+    return skeleton_of(info.metadata, ref.key), out
 
 
 #: bytes per ranged read of a streamed restore: small enough that a window read is still in
@@ -823,10 +829,7 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
     start = 8 + hlen
     entries = _st_entries(header, size - start, ref.key)
     meta = header.get("__metadata__") or {}
-    skeleton = json.loads(meta[SKELETON_KEY]) if isinstance(meta.get(SKELETON_KEY), str) \
-        else None
-    if skeleton is None:
-        raise InvalidFormat(f"{ref.key}: blob has no state skeleton")
+    skeleton = skeleton_of(meta, ref.key)
     _check_shapes(ref.key, live, ((name, shape) for name, _, shape, _, _ in entries))
     if opened is not None:
         await opened()
@@ -877,13 +880,3 @@ def _windows(blocks: list[BlockRef], window: int) -> list[tuple[tuple[int, int],
                 continue
         out.append(((b.offset, b.length), [b]))
     return out
-
-
-def _skeleton_of(info: MckpInfo, where: str) -> Any:
-    raw = info.metadata.get(SKELETON_KEY)
-    if not isinstance(raw, str):
-        raise InvalidFormat(f"{where}: blob has no state skeleton")
-    try:
-        return json.loads(raw)
-    except ValueError as err:
-        raise InvalidFormat(f"{where}: state skeleton is not JSON ({err})") from None
