@@ -33,7 +33,7 @@ from mithril_async.errors import SaveFailed, ShapeMismatch, StorageError
 from mithril_async.storage import local as local_mod
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import Tiers
-from tests.manager.conftest import TinyNet
+from tests.tiers._state import tiny_state, train_step
 
 RUN = Path("runs/r1/versions")
 
@@ -58,20 +58,6 @@ def _config() -> Any:
                         "[checkpointing.compression]\nthreads = 1\n")
 
 
-def _state(seed: int, d: int = 8) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    model = TinyNet(d=d, vocab=16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return {"model": model, "optimizer": opt}
-
-
-def _train(state: dict[str, Any]) -> None:
-    loss = state["model"](torch.arange(12).reshape(2, 6) % 16).pow(2).mean()
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
-
-
 def _snap(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {f"m.{k}": v.clone() for k, v in state["model"].state_dict().items()}
     for i, s in enumerate(state["optimizer"].state.values()):
@@ -88,11 +74,11 @@ def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
     remote = CountingMemory()
     table = {"local": str(tmp_path / "node{node}"), "replicas": 0, "keep_local": keep_local}
     tiers = Tiers(_config(), table, remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
     saved = {}
     for step in range(1, steps + 1):
-        _train(state)
+        train_step(state)
         res = mgr.save_nowait(step).result()
         assert res.tiers is not None and res.tiers.version_id == res.version_id
         saved[step] = _snap(state)
@@ -105,7 +91,7 @@ def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
 def _restore(table: dict[str, Any], remote: CountingMemory, seed: int = 5
              ) -> tuple[Tiers, Any, dict[str, Any], int]:
     tiers = Tiers(_config(), table, remote=remote)
-    state = _state(seed)
+    state = tiny_state(seed)
     mgr = tiers.manager(state)
     remote.ops.clear()
     step = tiers.restore(mgr)
@@ -164,7 +150,7 @@ def test_lost_node_restores_from_the_remote_and_writes_the_copies_back(
     assert step == 2 and set(tiers.last_sources.values()) == {"local"}
     assert remote.reads() == 0
     # and the next save numbers its version after the recovered one
-    _train(state)
+    train_step(state)
     res = mgr.save_nowait(3).result()
     assert res.version_id == "v000003"
     mgr.close()
@@ -186,7 +172,7 @@ def test_a_newer_version_only_on_the_remote_wins(tmp_path: Path) -> None:
 def test_restore_error_that_is_no_damaged_copy_is_raised(tmp_path: Path) -> None:
     table, remote, _ = _saved_run(tmp_path, steps=1)
     tiers = Tiers(_config(), table, remote=remote)
-    mgr = tiers.manager(_state(5, d=16))  # another model shape: no copy can fix that
+    mgr = tiers.manager(tiny_state(5, d=16))  # another model shape: no copy can fix that
     remote.ops.clear()
     with pytest.raises(ShapeMismatch, match=r"emb\.weight"):
         tiers.restore(mgr)
@@ -201,7 +187,7 @@ def test_save_result_names_the_tiers_reached(tmp_path: Path) -> None:
     seen: list[Any] = []
     tiers = Tiers(_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
                   remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state, on_save=seen.append)  # the user's callback still runs
     res = mgr.save_nowait(1).result()
     assert seen == [res]
@@ -254,15 +240,15 @@ def test_out_of_local_space_fails_that_save_and_keeps_the_upload_going(
     remote = _GatedRemote()
     tiers = Tiers(_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
                   remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
-    _train(state)
+    train_step(state)
     first = mgr.save_nowait(1).result()
     assert first.status == "committed"
     assert remote.waiting.wait(60)  # v1's upload is in flight
     versions = tmp_path / "n0" / RUN
     before = {p.name: p.read_bytes() for p in (versions / "v000001").iterdir()}
-    _train(state)
+    train_step(state)
     disk.full = True
     with pytest.raises(StorageError) as info:  # typed, naming the key and ENOSPC
         mgr.save_nowait(2).result()
@@ -281,7 +267,7 @@ def test_out_of_local_space_fails_that_save_and_keeps_the_upload_going(
     assert set(res.reached) == {"local", "remote"} and res.errors == {}
     assert asyncio.run(remote.exists("runs/r1/versions/v000001/manifest.json"))
     # the disk has room again: the next save reaches both tiers
-    _train(state)
+    train_step(state)
     res3 = mgr.save_nowait(3).result()
     assert res3.tiers is not None and set(res3.tiers.wait(60).reached) == {"local", "remote"}
     mgr.close()
@@ -292,7 +278,7 @@ def test_strict_recover_hashes_and_writes_everything_before_it_returns(tmp_path:
     table, remote, saved = _saved_run(tmp_path)
     shutil.rmtree(tmp_path / "node0")
     tiers = Tiers(_config(), table, remote=remote)
-    state = _state(5)
+    state = tiny_state(5)
     mgr = tiers.manager(state)
     vid = tiers.recover()
     assert vid == "v000002" and set(tiers.last_sources.values()) == {"remote"}
@@ -311,7 +297,7 @@ def test_write_back_only_writes_copies_that_verify_whole(
     table, remote, _ = _saved_run(tmp_path)
     shutil.rmtree(tmp_path / "node0")
     tiers = Tiers(_config(), table, remote=remote)
-    mgr = tiers.manager(_state(5))
+    mgr = tiers.manager(tiny_state(5))
     rec = tiers._loop.run(tiers._recover("latest", light=True))
     bad, good = (f"runs/r1/versions/v000002/{n}" for n in ("opt_shard_rank0000.bin",
                                                            "model.mckp"))

@@ -30,8 +30,8 @@ from mithril_async.tiers import (
     restore_files,
 )
 from mithril_async.tiers.transport import Payload
-from tests.manager.conftest import TinyNet
 from tests.ranks import free_port
+from tests.tiers._state import tiny_state, train_step
 
 
 # ---------------------------------------------------------------- node mapping
@@ -130,18 +130,6 @@ def test_unreachable_remote_is_a_storage_error_at_start(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- one process, end to end
-def _state(seed: int) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    model = TinyNet(d=8, vocab=16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return {"model": model, "optimizer": opt}
-
-
-def _train(state: dict[str, Any]) -> None:
-    loss = state["model"](torch.arange(12).reshape(2, 6) % 16).pow(2).mean()
-    state["optimizer"].zero_grad()
-    loss.backward()
-    state["optimizer"].step()
 
 
 def _model(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -152,11 +140,11 @@ def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> 
     remote = MemoryStore()
     table = {"local": str(tmp_path / "node{node}"), "replicas": 0, "keep_local": 2}
     tiers = Tiers(_config(tmp_path), table, remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
     saved = {}
     for step in (1, 2, 3):
-        _train(state)
+        train_step(state)
         res = mgr.save_nowait(step).result()
         assert res.status == "committed"
         saved[step] = _model(state)
@@ -180,7 +168,7 @@ def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> 
     data[-5] ^= 0x01
     blob.write_bytes(bytes(data))
     tiers = Tiers(_config(tmp_path), table, remote=remote)
-    fresh = _state(2)
+    fresh = tiny_state(2)
     mgr = tiers.manager(fresh)
     assert tiers.restore(mgr) == 3
     assert tiers.last_sources == {
@@ -196,7 +184,7 @@ def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> 
     import shutil
     shutil.rmtree(tmp_path / "node0")
     tiers = Tiers(_config(tmp_path), table, remote=remote)
-    fresh = _state(3)
+    fresh = tiny_state(3)
     mgr = tiers.manager(fresh)
     assert tiers.restore(mgr) == 3
     assert set(tiers.last_sources.values()) == {"remote"}
@@ -209,9 +197,9 @@ def test_failed_upload_is_reported_and_keeps_the_local_commit(tmp_path: Path) ->
     remote = MemoryStore()
     tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0},
                   remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
-    _train(state)
+    train_step(state)
     remote.inject_fault("put", StorageError("injected: bucket full"), times=1)
     assert mgr.save_nowait(1).result().status == "committed"
     (res,) = tiers.wait()
@@ -228,7 +216,7 @@ def test_file_ownership_from_a_manifest(tmp_path: Path) -> None:
     assert owner_of("runs/r/versions/v000001/model.mckp") == 0
     tiers = Tiers(_config(tmp_path), {"local": str(tmp_path), "replicas": 0},
                   remote=LocalStore(tmp_path / "remote"))
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
     mgr.save_nowait(1).result()
     tiers.wait()
@@ -264,7 +252,7 @@ def test_replication_to_a_dead_peer_names_rank_and_tier(tmp_path: Path) -> None:
     from mithril_async.errors import DistributedError
 
     first = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0})
-    state = _state(1)
+    state = tiny_state(1)
     mgr = first.manager(state)
     mgr.save_nowait(1).result()
     first.wait()
@@ -302,14 +290,14 @@ def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Pa
     remote = MemoryStore()
     tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0,
                                       "keep_local": 1}, remote=remote)
-    state = _state(1)
+    state = tiny_state(1)
     mgr = tiers.manager(state)
     versions = tmp_path / "n0" / "runs" / "r1" / "versions"
     mgr.save_nowait(1).result()
     tiers.wait()
     remote.inject_fault("put", StorageError("injected: bucket unreachable"), times=2)
     for step in (2, 3):
-        _train(state)
+        train_step(state)
         mgr.save_nowait(step).result()
         tiers.wait()
     res = tiers.results
@@ -317,7 +305,7 @@ def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Pa
     assert "remote" in res["v000002"].errors and "remote" in res["v000003"].errors
     # keep_local = 1 keeps v3, and v1 stays: the only version a lost node could come back to
     assert sorted(p.name for p in versions.iterdir()) == ["v000001", "v000003"]
-    _train(state)
+    train_step(state)
     mgr.save_nowait(4).result()  # uploads work again: v4 is durable, v1 may go
     tiers.wait()
     assert "remote" in res["v000004"].reached
