@@ -91,7 +91,7 @@ def local(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.T
     return out
 
 
-def full(net: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def full(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The global tensors (a collective)."""
     out: dict[str, torch.Tensor] = {}
     for n, p in net.named_parameters():

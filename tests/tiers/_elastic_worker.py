@@ -34,6 +34,7 @@ from mithril_async import parse_config
 from mithril_async.distributed import ShardedModel, ShardedOptimizer
 from mithril_async.storage import open_store
 from mithril_async.tiers import Tiers
+from tests.distributed._reshard_worker import full, local
 from tests.tiers._tier_worker import CountingStore
 
 SHAPES = {"w0": (8, 3), "w1": (4, 2), "b": (3,)}
@@ -57,28 +58,6 @@ def train(net: Net, opt: torch.optim.Optimizer, step: int) -> None:
         p.grad = distribute_tensor(torch.randn(tuple(p.shape), generator=g), p.device_mesh,
                                    p.placements)
     opt.step()
-
-
-def local(net: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's local shards, flat: ``w0``, ``w0.exp_avg``, ``w0.step``, ..."""
-    out: dict[str, torch.Tensor] = {}
-    for n, p in net.named_parameters():
-        assert isinstance(p, DTensor)
-        out[n] = p.to_local().clone()
-        for k, v in opt.state.get(p, {}).items():
-            out[f"{n}.{k}"] = (v.to_local() if isinstance(v, DTensor) else v).clone()
-    return out
-
-
-def full(net: Net, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The global tensors (a collective)."""
-    out: dict[str, torch.Tensor] = {}
-    for n, p in net.named_parameters():
-        assert isinstance(p, DTensor)
-        out[n] = p.full_tensor()
-        for k, v in opt.state.get(p, {}).items():
-            out[f"{n}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v.clone()
-    return out
 
 
 def oracle(net: Net, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
