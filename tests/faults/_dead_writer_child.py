@@ -11,6 +11,7 @@ what it leaves within the test.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 from pathlib import Path
@@ -52,7 +53,11 @@ def main() -> None:
 
     async def stop_dead(self: LocalWriter, *_: Any) -> int:
         await self._in_thread("flush", lambda: self._flush(None))  # every byte in the temp
-        ready.write_text(str(self._tmp))
+        # written aside and renamed: the test polls for the name, so the name must appear
+        # only with its content (a plain write_text let the test read an empty file)
+        aside = ready.with_name(ready.name + ".part")
+        aside.write_text(str(self._tmp))
+        os.replace(aside, ready)
         threading.Event().wait()  # hangs the loop thread: nothing else of the save moves
         return 0
 
