@@ -56,7 +56,13 @@ import os, sys, tempfile, torch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1",
                   LOCAL_RANK="0")
 import deepspeed
+import deepspeed.comm.torch
 from mithril_async.integrations.deepspeed import MithrilCheckpointEngine
+# DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op with g++ at init
+# (~30 s on a fresh machine, once per cache): one rank never uses it, and the checkpoint
+# engine under test has nothing to do with it.
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # (the package's
+# own attribute 'torch' is the torch module)
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
