@@ -27,6 +27,8 @@ int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, 
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
 int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
+int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_t *base,
+                      uint8_t *dst, size_t len, int width, int kind);
 void mk_spin_ns(uint64_t ns);
 """
 

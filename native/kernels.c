@@ -112,14 +112,14 @@ MK_INLINE void group_range_w(const uint8_t *src, const uint8_t *base, uint8_t *d
     }
 }
 
-MK_INLINE void ungroup_range_w(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
-                               size_t i0, int w, int xf) {
+MK_INLINE void ungroup_range_w(const uint8_t *const *pl, const uint8_t *base, uint8_t *dst,
+                               size_t i0, size_t n, int w, int xf) {
     size_t i;
     int k;
     for (i = i0; i < n; i++) {
         uint8_t e[8];
         const size_t off = i * (size_t)w;
-        for (k = 0; k < w; k++) e[k] = src[(size_t)k * n + i];
+        for (k = 0; k < w; k++) e[k] = pl[k][i];
         xf_inv(e, xf);
         for (k = 0; k < w; k++) dst[off + k] = (uint8_t)(e[k] ^ (base ? base[off + k] : 0));
     }
@@ -141,18 +141,18 @@ static void group_range(const uint8_t *src, const uint8_t *base, uint8_t *dst, s
     }
 }
 
-static void ungroup_range(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
-                          size_t i0, int w, int xf) {
+static void ungroup_range(const uint8_t *const *pl, const uint8_t *base, uint8_t *dst,
+                          size_t n, size_t i0, int w, int xf) {
     switch (w) {
         case 2:
-            if (xf == MK_XF_BF16) ungroup_range_w(src, base, dst, n, i0, 2, MK_XF_BF16);
-            else ungroup_range_w(src, base, dst, n, i0, 2, MK_XF_NONE);
+            if (xf == MK_XF_BF16) ungroup_range_w(pl, base, dst, i0, n, 2, MK_XF_BF16);
+            else ungroup_range_w(pl, base, dst, i0, n, 2, MK_XF_NONE);
             break;
         case 4:
-            if (xf == MK_XF_FP32) ungroup_range_w(src, base, dst, n, i0, 4, MK_XF_FP32);
-            else ungroup_range_w(src, base, dst, n, i0, 4, MK_XF_NONE);
+            if (xf == MK_XF_FP32) ungroup_range_w(pl, base, dst, i0, n, 4, MK_XF_FP32);
+            else ungroup_range_w(pl, base, dst, i0, n, 4, MK_XF_NONE);
             break;
-        default: ungroup_range_w(src, base, dst, n, i0, 8, MK_XF_NONE); break;
+        default: ungroup_range_w(pl, base, dst, i0, n, 8, MK_XF_NONE); break;
     }
 }
 
@@ -338,55 +338,92 @@ void mk_xor(const uint8_t *a, const uint8_t *b, uint8_t *dst, size_t len) {
 }
 
 /* Any other width 1..MK_MAX_WIDTH (odd dtypes, complex128): portable, not vectorised. */
-static void transpose_generic(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
-                              size_t w, int forward) {
+static void group_generic(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
+                          size_t w) {
+    size_t i, k;
+    for (k = 0; k < w; k++)
+        for (i = 0; i < n; i++) {
+            const size_t e = i * w + k;
+            dst[k * n + i] = (uint8_t)(src[e] ^ (base ? base[e] : 0));
+        }
+}
+
+static void ungroup_generic(const uint8_t *const *pl, const uint8_t *base, uint8_t *dst,
+                            size_t n, size_t w) {
     size_t i, k;
     for (k = 0; k < w; k++) {
+        const uint8_t *p = pl[k];
         for (i = 0; i < n; i++) {
-            const size_t e = i * w + k, g = k * n + i;
-            if (forward) dst[g] = (uint8_t)(src[e] ^ (base ? base[e] : 0));
-            else dst[e] = (uint8_t)(src[g] ^ (base ? base[e] : 0));
+            const size_t e = i * w + k;
+            dst[e] = (uint8_t)(p[i] ^ (base ? base[e] : 0));
         }
     }
 }
 
-static int transpose(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int w,
-                     int xf, int forward) {
+static int group_any(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int w,
+                     int xf) {
     size_t n, done = 0;
     if (w < 1 || w > MK_MAX_WIDTH) return -1;
     n = len / (size_t)w;
     if (w != 2 && w != 4 && w != 8) {
-        transpose_generic(src, base, dst, n, (size_t)w, forward);
-        copy_tail(src + n * (size_t)w, base ? base + n * (size_t)w : NULL, dst + n * (size_t)w,
-                  len - n * (size_t)w);
-        return 0;
-    }
+        group_generic(src, base, dst, n, (size_t)w);
+    } else {
 #if MK_HAVE_X86
-    switch (mk_get_level()) {
-        case MK_LEVEL_AVX2:
-            done = forward ? group_simd_avx2(src, base, dst, n, w, xf)
-                           : ungroup_simd_avx2(src, base, dst, n, w, xf);
-            break;
-        case MK_LEVEL_SSE2:
-            done = forward ? group_simd_sse2(src, base, dst, n, w, xf)
-                           : ungroup_simd_sse2(src, base, dst, n, w, xf);
-            break;
-        default: break;
-    }
+        switch (mk_get_level()) {
+            case MK_LEVEL_AVX2: done = group_simd_avx2(src, base, dst, n, w, xf); break;
+            case MK_LEVEL_SSE2: done = group_simd_sse2(src, base, dst, n, w, xf); break;
+            default: break;
+        }
 #endif
-    if (forward) group_range(src, base, dst, n, done, w, xf);
-    else ungroup_range(src, base, dst, n, done, w, xf);
+        group_range(src, base, dst, n, done, w, xf);
+    }
     copy_tail(src + n * (size_t)w, base ? base + n * (size_t)w : NULL, dst + n * (size_t)w,
               len - n * (size_t)w);
     return 0;
 }
 
+/* The inverse, reading plane k from pl[k] (n = len / w bytes each) and the len % w tail
+ * bytes from tail: the planes need not lie back to back (mk_ungroup_planes). */
+static int ungroup_any(const uint8_t *const *pl, const uint8_t *tail, const uint8_t *base,
+                       uint8_t *dst, size_t len, int w, int xf) {
+    size_t n, done = 0;
+    if (w < 1 || w > MK_MAX_WIDTH) return -1;
+    n = len / (size_t)w;
+    if (w != 2 && w != 4 && w != 8) {
+        ungroup_generic(pl, base, dst, n, (size_t)w);
+    } else {
+#if MK_HAVE_X86
+        switch (mk_get_level()) {
+            case MK_LEVEL_AVX2: done = ungroup_simd_avx2(pl, base, dst, n, w, xf); break;
+            case MK_LEVEL_SSE2: done = ungroup_simd_sse2(pl, base, dst, n, w, xf); break;
+            default: break;
+        }
+#endif
+        ungroup_range(pl, base, dst, n, done, w, xf);
+    }
+    copy_tail(tail, base ? base + n * (size_t)w : NULL, dst + n * (size_t)w,
+              len - n * (size_t)w);
+    return 0;
+}
+
+/* ungroup_any over one grouped buffer: plane k at src + k * n, the tail after the last */
+static int ungroup_buf(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int w,
+                       int xf) {
+    const uint8_t *pl[MK_MAX_WIDTH];
+    size_t n;
+    int k;
+    if (w < 1 || w > MK_MAX_WIDTH) return -1;
+    n = len / (size_t)w;
+    for (k = 0; k < w; k++) pl[k] = src + (size_t)k * n;
+    return ungroup_any(pl, src + n * (size_t)w, base, dst, len, w, xf);
+}
+
 int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width) {
-    return transpose(src, base, dst, len, width, MK_XF_NONE, 1);
+    return group_any(src, base, dst, len, width, MK_XF_NONE);
 }
 
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width) {
-    return transpose(src, base, dst, len, width, MK_XF_NONE, 0);
+    return ungroup_buf(src, base, dst, len, width, MK_XF_NONE);
 }
 
 static int kind_width(int kind) {
@@ -394,11 +431,21 @@ static int kind_width(int kind) {
 }
 
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind) {
-    return transpose(src, base, dst, len, kind_width(kind), kind, 1);
+    return group_any(src, base, dst, len, kind_width(kind), kind);
 }
 
 int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind) {
-    return transpose(src, base, dst, len, kind_width(kind), kind, 0);
+    return ungroup_buf(src, base, dst, len, kind_width(kind), kind);
+}
+
+int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_t *base,
+                      uint8_t *dst, size_t len, int width, int kind) {
+    const uint8_t *pl[MK_MAX_WIDTH];
+    int k;
+    if (kind != 0 && kind_width(kind) != width) return -1;
+    if (width < 1 || width > MK_MAX_WIDTH) return -1;
+    for (k = 0; k < width; k++) pl[k] = (const uint8_t *)planes[k];
+    return ungroup_any(pl, tail, base, dst, len, width, kind);
 }
 
 void mk_spin_ns(uint64_t ns) {
@@ -620,12 +667,13 @@ MK_TARGET MK_INLINE size_t FN(group8_i)(const uint8_t *src, const uint8_t *base,
 #undef MK_TSTRIDE
 #undef MK_TILE_MAX_N
 
-MK_TARGET MK_INLINE size_t FN(ungroup2_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                          size_t n, int xf) {
+MK_TARGET MK_INLINE size_t FN(ungroup2_i)(const uint8_t *const *pl, const uint8_t *base,
+                                          uint8_t *dst, size_t n, int xf) {
+    const uint8_t *s0 = pl[0], *s1 = pl[1];
     size_t i;
     for (i = 0; i + EPB <= n; i += EPB) {
         uint8_t *d = dst + 2 * i;
-        V p0 = LOADV(src + i), p1 = LOADV(src + n + i), o0, o1;
+        V p0 = LOADV(s0 + i), p1 = LOADV(s1 + i), o0, o1;
         if (xf == MK_XF_BF16) {
             V x = p0, m = p1;
             EXP_INV(x, m, p0, p1);
@@ -643,13 +691,14 @@ MK_TARGET MK_INLINE size_t FN(ungroup2_i)(const uint8_t *src, const uint8_t *bas
     return i;
 }
 
-MK_TARGET MK_INLINE size_t FN(ungroup4_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                          size_t n, int xf) {
+MK_TARGET MK_INLINE size_t FN(ungroup4_i)(const uint8_t *const *pl, const uint8_t *base,
+                                          uint8_t *dst, size_t n, int xf) {
+    const uint8_t *s0 = pl[0], *s1 = pl[1], *s2 = pl[2], *s3 = pl[3];
     size_t i;
     for (i = 0; i + EPB <= n; i += EPB) {
         uint8_t *d = dst + 4 * i;
-        V p0 = LOADV(src + i), p1 = LOADV(src + n + i);
-        V p2 = LOADV(src + 2 * n + i), p3 = LOADV(src + 3 * n + i);
+        V p0 = LOADV(s0 + i), p1 = LOADV(s1 + i);
+        V p2 = LOADV(s2 + i), p3 = LOADV(s3 + i);
         V a, b, c, e, o[4];
         int j;
         if (xf == MK_XF_FP32) { /* planes [exp, sm, byte1, byte0] -> bytes 0..3 */
@@ -673,14 +722,16 @@ MK_TARGET MK_INLINE size_t FN(ungroup4_i)(const uint8_t *src, const uint8_t *bas
     return i;
 }
 
-MK_TARGET MK_INLINE size_t FN(ungroup8_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                     size_t n) {
+MK_TARGET MK_INLINE size_t FN(ungroup8_i)(const uint8_t *const *pl, const uint8_t *base,
+                                          uint8_t *dst, size_t n) {
+    const uint8_t *s[8];
     size_t i;
+    int j;
+    for (j = 0; j < 8; j++) s[j] = pl[j];
     for (i = 0; i + EPB <= n; i += EPB) {
         uint8_t *d = dst + 8 * i;
         V p[8], a[4], b[4], c[4], e[4], o[8];
-        int j;
-        for (j = 0; j < 8; j++) p[j] = LOADV(src + (size_t)j * n + i);
+        for (j = 0; j < 8; j++) p[j] = LOADV(s[j] + i);
         for (j = 0; j < 4; j++) {
             a[j] = UNLO8(p[2 * j], p[2 * j + 1]); /* elements 0..7, bytes 2j,2j+1 */
             b[j] = UNHI8(p[2 * j], p[2 * j + 1]); /* elements 8..15 */
@@ -724,21 +775,21 @@ MK_TARGET static size_t FN(group_simd)(const uint8_t *src, const uint8_t *base, 
     }
 }
 
-MK_TARGET static size_t FN(ungroup_simd)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                         size_t n, int w, int xf) {
+MK_TARGET static size_t FN(ungroup_simd)(const uint8_t *const *pl, const uint8_t *base,
+                                         uint8_t *dst, size_t n, int w, int xf) {
     switch (w) {
         case 2:
-            if (base) return xf ? FN(ungroup2_i)(src, base, dst, n, MK_XF_BF16)
-                                : FN(ungroup2_i)(src, base, dst, n, MK_XF_NONE);
-            return xf ? FN(ungroup2_i)(src, NULL, dst, n, MK_XF_BF16)
-                      : FN(ungroup2_i)(src, NULL, dst, n, MK_XF_NONE);
+            if (base) return xf ? FN(ungroup2_i)(pl, base, dst, n, MK_XF_BF16)
+                                : FN(ungroup2_i)(pl, base, dst, n, MK_XF_NONE);
+            return xf ? FN(ungroup2_i)(pl, NULL, dst, n, MK_XF_BF16)
+                      : FN(ungroup2_i)(pl, NULL, dst, n, MK_XF_NONE);
         case 4:
-            if (base) return xf ? FN(ungroup4_i)(src, base, dst, n, MK_XF_FP32)
-                                : FN(ungroup4_i)(src, base, dst, n, MK_XF_NONE);
-            return xf ? FN(ungroup4_i)(src, NULL, dst, n, MK_XF_FP32)
-                      : FN(ungroup4_i)(src, NULL, dst, n, MK_XF_NONE);
+            if (base) return xf ? FN(ungroup4_i)(pl, base, dst, n, MK_XF_FP32)
+                                : FN(ungroup4_i)(pl, base, dst, n, MK_XF_NONE);
+            return xf ? FN(ungroup4_i)(pl, NULL, dst, n, MK_XF_FP32)
+                      : FN(ungroup4_i)(pl, NULL, dst, n, MK_XF_NONE);
         default:
-            return base ? FN(ungroup8_i)(src, base, dst, n) : FN(ungroup8_i)(src, NULL, dst, n);
+            return base ? FN(ungroup8_i)(pl, base, dst, n) : FN(ungroup8_i)(pl, NULL, dst, n);
     }
 }
 

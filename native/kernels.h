@@ -50,6 +50,12 @@ int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, 
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
 int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
+/* The inverse from planes that need not lie back to back (a chunk's stored planes, some
+ * read where they lie, some decoded elsewhere): plane k at planes[k] (len / width bytes
+ * each), the len % width tail bytes at tail; kind 0 (plain grouping) or an exponent kind
+ * (then width is its width).  Same result as mk_ungroup / mk_exp_ungroup. */
+int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_t *base,
+                      uint8_t *dst, size_t len, int width, int kind);
 
 /* Busy-waits ns nanoseconds; exported only so tests can prove the GIL is released. */
 void mk_spin_ns(uint64_t ns);

@@ -42,7 +42,8 @@ _log = logging.getLogger(__name__)
 
 #: native SIMD levels, lowest first (values match MK_LEVEL_* in native/kernels.h)
 LEVELS: tuple[str, ...] = ("scalar", "sse2", "avx2")
-_KIND_CODES: dict[str, int] = {"bf16": 1, "fp32": 2}
+#: exponent kinds as the native kernels number them (MK_KIND_* in native/kernels.h)
+KIND_CODES: dict[str, int] = {"bf16": 1, "fp32": 2}
 
 _ffi: Any = None
 _lib: Any = None
@@ -300,7 +301,7 @@ def exp_group(src: object, kind: str, base: object | None = None, out: object | 
         if k == "fp16":
             _lib.mk_group(_p(s), pb, _pw(o), s.size, 2)
         else:
-            _lib.mk_exp_group(_p(s), pb, _pw(o), s.size, _KIND_CODES[k])
+            _lib.mk_exp_group(_p(s), pb, _pw(o), s.size, KIND_CODES[k])
         return o
     return _ref.exp_group(s, k, b, o)
 
@@ -320,9 +321,22 @@ def exp_ungroup(
         if k == "fp16":
             _lib.mk_ungroup(_p(s), pb, _pw(o), s.size, 2)
         else:
-            _lib.mk_exp_ungroup(_p(s), pb, _pw(o), s.size, _KIND_CODES[k])
+            _lib.mk_exp_ungroup(_p(s), pb, _pw(o), s.size, KIND_CODES[k])
         return o
     return _ref.exp_ungroup(s, k, b, o)
+
+
+def native_in_use() -> bool:
+    """Whether the kernels run natively (not the numpy reference, e.g. forced by a test)."""
+    return _use_native
+
+
+def ungroup_planes_address() -> int:
+    """The address of ``mk_ungroup_planes`` (planes that need not lie back to back), for the
+    native chunk decoder of ``mithril_async._rans``; 0 without the extension."""
+    if _lib is None or not hasattr(_lib, "mk_ungroup_planes"):
+        return 0
+    return int(_ffi.cast("uintptr_t", _ffi.addressof(_lib, "mk_ungroup_planes")))
 
 
 def spin_ns(ns: int) -> None:
@@ -334,6 +348,7 @@ def spin_ns(ns: int) -> None:
 
 __all__ = [
     "BACKEND",
+    "KIND_CODES",
     "KIND_PLANES",
     "KIND_WIDTHS",
     "LEVELS",
@@ -345,11 +360,13 @@ __all__ = [
     "element_width",
     "exp_group",
     "exp_ungroup",
+    "native_in_use",
     "group",
     "native_available",
     "plane_sizes",
     "set_backend",
     "spin_ns",
+    "ungroup_planes_address",
     "ungroup",
     "ungroup_xor",
     "xor",
