@@ -46,6 +46,13 @@ int64_t mc_encode_planes(const uint8_t *raw, size_t raw_size, uint8_t *planes,
                          double huff_min_bits, double min_gain, int level, uint8_t *arena,
                          size_t cap, uint8_t *dst, uint8_t *methods, uint64_t *lens,
                          uint64_t *hashes);
+int mc_set_decoder(uintptr_t xxh3, uintptr_t ungroup_planes);
+int mc_decoder_ready(void);
+int mc_decode_chunk(const uint8_t *payload, size_t plen, const uint8_t *methods,
+                    const uint64_t *lens, int nplanes, int width, int kind,
+                    const uint8_t *base, uint8_t *scratch, size_t scap, uint8_t *dst,
+                    size_t raw_size, const uint64_t *want, int check_payload, uint64_t *got,
+                    int *bad);
 size_t mc_batch_cap(const uint64_t *sizes, const int32_t *nplanes, size_t nchunks);
 int64_t mc_encode_batch(size_t nchunks, const uintptr_t *raws, const uint64_t *raw_sizes,
                         uint8_t *planes, const uint64_t *sizes, const int32_t *nplanes,

@@ -325,3 +325,95 @@ int64_t mc_encode_batch(size_t nchunks, const uintptr_t *raws, const uint64_t *r
     }
     return (int64_t)off;
 }
+
+/* ------------------------------------------------------------------ decoding one chunk */
+
+typedef int (*ungroup_fn)(const uintptr_t *, const uint8_t *, const uint8_t *, uint8_t *,
+                          size_t, int, int);
+static xxh3_fn g_dec_xxh3;
+static ungroup_fn g_ungroup;
+
+int mc_set_decoder(uintptr_t xxh3, uintptr_t ungroup_planes) {
+    g_dec_xxh3 = (xxh3_fn)xxh3;
+    g_ungroup = (ungroup_fn)ungroup_planes;
+    return g_dec_xxh3 && g_ungroup ? 0 : -1;
+}
+
+int mc_decoder_ready(void) { return g_dec_xxh3 != NULL && g_ungroup != NULL; }
+
+/* plane i's decoded bytes: where it lies in the payload (RAW) or decoded into out;
+ * 0, or MC_DEC_BAD_PLANE / MC_DEC_RANS / MC_DEC_METHOD */
+static int decode_plane(const uint8_t *stored, size_t len, int method, size_t n, uint8_t *out,
+                        const uint8_t **at, uint64_t *code) {
+    switch (method) {
+        case PM_RAW:
+            if (len != n) return MC_DEC_BAD_PLANE;
+            *at = stored;
+            return 0;
+        case PM_CONST:
+            if (len != 1) return MC_DEC_BAD_PLANE;
+            memset(out, stored[0], n);
+            *at = out;
+            return 0;
+        case PM_RANS32: {
+            int rc = mr2_decode(stored, len, out, n); /* refuses n == 0 */
+            if (rc != 0) {
+                *code = (uint64_t)(int64_t)rc;
+                return MC_DEC_RANS;
+            }
+            *at = out;
+            return 0;
+        }
+        default: return MC_DEC_METHOD;
+    }
+}
+
+int mc_decode_chunk(const uint8_t *payload, size_t plen, const uint8_t *methods,
+                    const uint64_t *lens, int nplanes, int width, int kind,
+                    const uint8_t *base, uint8_t *scratch, size_t scap, uint8_t *dst,
+                    size_t raw_size, const uint64_t *want, int check_payload, uint64_t *got,
+                    int *bad) {
+    uintptr_t pl[MC_DEC_MAX_WIDTH + 1];
+    size_t n, soff = 0, doff = 0;
+    int i, rc, planes;
+    *bad = -1;
+    if (!g_dec_xxh3 || !g_ungroup || width < 1 || width > MC_DEC_MAX_WIDTH || nplanes < 1)
+        return MC_DEC_ARGS;
+    /* the transform's planes: kind < 0 one (the bytes themselves), else width planes of
+     * raw_size / width bytes, then a tail plane when there is a remainder */
+    planes = kind < 0 ? 1 : width;
+    n = kind < 0 ? raw_size : raw_size / (size_t)width;
+    if (nplanes != planes + (kind >= 0 && raw_size % (size_t)width ? 1 : 0)) return MC_DEC_ARGS;
+    if (scap < raw_size || (kind < 0 && base)) return MC_DEC_ARGS;
+    for (i = 0; i < nplanes; i++) {
+        if (lens[i] > plen - soff) return MC_DEC_ARGS;
+        soff += lens[i];
+    }
+    if (soff != plen) return MC_DEC_ARGS;
+    if (check_payload) {
+        got[0] = g_dec_xxh3(payload, plen);
+        if (got[0] != want[0]) return MC_DEC_PAYLOAD;
+    }
+    soff = 0;
+    for (i = 0; i < nplanes; i++) {
+        size_t sz = i < planes ? n : raw_size - n * (size_t)width;
+        /* identity: decode straight into dst; planes: into the scratch at the plane's place */
+        uint8_t *out = kind < 0 ? dst : scratch + doff;
+        const uint8_t *at = NULL;
+        rc = decode_plane(payload + soff, lens[i], methods[i], sz, out, &at, &got[0]);
+        if (rc != 0) {
+            *bad = i;
+            return rc;
+        }
+        if (kind < 0 && at != dst && sz) memcpy(dst, at, sz);
+        pl[i] = (uintptr_t)at;
+        soff += lens[i];
+        doff += sz;
+    }
+    if (kind >= 0) {
+        const uint8_t *tail = nplanes > planes ? (const uint8_t *)pl[planes] : scratch;
+        if (g_ungroup(pl, tail, base, dst, raw_size, width, kind) != 0) return MC_DEC_ARGS;
+    }
+    got[1] = g_dec_xxh3(dst, raw_size);
+    return got[1] == want[1] ? 0 : MC_DEC_RAW;
+}

@@ -43,4 +43,30 @@ int64_t mc_encode_batch(size_t nchunks, const uintptr_t *raws, const uint64_t *r
                         double raw_bits, double huff_min_bits, double min_gain, int level,
                         uint8_t *arena, size_t cap, uint8_t *methods, uint64_t *lens,
                         uint64_t *hashes, uint64_t *stored);
+
+/* Decoding one chunk in one call (GIL released): the XXH3 and the ungroup of planes that
+ * need not lie back to back (mk_ungroup_planes of mithril_async._kernels), by address.
+ * 0 when both are set. */
+int mc_set_decoder(uintptr_t xxh3, uintptr_t ungroup_planes);
+int mc_decoder_ready(void);
+
+#define MC_DEC_MAX_WIDTH 16
+#define MC_DEC_ARGS (-1)      /* not bound, or planes that do not fit the transform/payload */
+#define MC_DEC_PAYLOAD (-2)   /* the payload's hash is not want[0] (got[0]) */
+#define MC_DEC_BAD_PLANE (-3) /* plane *bad's stored length does not fit its method */
+#define MC_DEC_RANS (-4)      /* plane *bad is a corrupt rANS plane (got[0]: its code) */
+#define MC_DEC_METHOD (-5)    /* plane *bad has a method decoded elsewhere (Python) */
+#define MC_DEC_RAW (-6)       /* the decoded bytes' hash is not want[1] (got[1]) */
+/* Decodes the chunk whose nplanes stored planes (methods[i], lens[i] bytes each) lie back to
+ * back in payload (plen bytes) into dst (raw_size bytes), as codec/chunk.py's decode_chunk:
+ * the payload's XXH3 checked first (check_payload), RAW planes read where they lie, CONST
+ * planes filled and RANS32 planes decoded into scratch (>= raw_size bytes; kind < 0: into dst),
+ * the chunk rebuilt by mk_ungroup_planes (width; kind 0: plain grouping, else an exponent
+ * kind; kind < 0: the identity transform, one plane, no base), XORing base (or NULL), then
+ * the XXH3 of dst checked.  0, or one of MC_DEC_*: dst may then hold anything. */
+int mc_decode_chunk(const uint8_t *payload, size_t plen, const uint8_t *methods,
+                    const uint64_t *lens, int nplanes, int width, int kind,
+                    const uint8_t *base, uint8_t *scratch, size_t scap, uint8_t *dst,
+                    size_t raw_size, const uint64_t *want, int check_payload, uint64_t *got,
+                    int *bad);
 #endif

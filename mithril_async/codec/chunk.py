@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from mithril_async.codec import rans
+from mithril_async.codec import kernels, rans
 from mithril_async.codec.dtypes import dtype_info
-from mithril_async.codec.entropy import MIN_GAIN, decode_plane, encode_plane
+from mithril_async.codec.entropy import MIN_GAIN, PlaneMethod, decode_plane, encode_plane
 from mithril_async.codec.params import CodecParams
 from mithril_async.codec.transforms import CHOICE_ORDER, REGISTRY, ChunkTransform, Transform
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, ShapeMismatch
@@ -323,6 +323,60 @@ def _encode_native(src: U8, buf: U8, sizes: list[int], tbyte: int, width: int,
                      methods, lens, tbyte, width, raw_xxh, payload_xxh, params)
 
 
+#: plane methods the native chunk decoder decodes (the others go plane by plane in Python)
+_NATIVE_METHODS = frozenset({PlaneMethod.RAW, PlaneMethod.CONST, PlaneMethod.RANS32})
+
+
+def _bind_native_decoder() -> bool:
+    """Give the native chunk decoder XXH3 (of python-xxhash, the hash this module checks
+    with) and the kernels' ungroup from separate planes, by address."""
+    try:
+        import ctypes
+
+        import xxhash._xxhash as xx
+
+        fn = ctypes.CDLL(xx.__file__).XXH3_64bits
+        xxh3 = int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - unusual installs
+        return False
+    ungroup = kernels.ungroup_planes_address()
+    return bool(xxh3 and ungroup) and rans.bind_decoder(xxh3, ungroup)
+
+
+_NATIVE_DECODER = _bind_native_decoder()
+
+
+def _decode_native(mv: memoryview, meta: ChunkMeta, base: U8 | None, out: U8, where: str,
+                   verify_payload: bool) -> bool:
+    """Decode the chunk in one native call with the GIL released (``mc_decode_chunk``: the
+    payload hash, RAW planes read where they lie instead of copied, CONST/RANS32 planes, the
+    inverse transform and the decoded bytes' hash), where it can: XXH3 chunk hashes, those
+    plane methods, a transform with a native inverse, the native kernels in use. False: the
+    per-plane path is to decode it; also when the native call finds a plane it cannot
+    decode, so that the per-plane path names what is wrong exactly as it always has."""
+    tr = None if meta.transform & ~(DELTA_BIT | 0x7F) else REGISTRY.get(meta.transform & 0x7F)
+    if tr is None or tr.native_kind is None or meta.width not in tr.widths:
+        return False
+    kind = tr.native_kind
+    if (meta.hash_version != 2 or not _NATIVE_DECODER or meta.is_delta != (base is not None)
+            or (base is not None and (kind < 0 or base.size != meta.raw_size))
+            or not rans.decoder_available() or not kernels.native_in_use()
+            or any(m not in _NATIVE_METHODS for m, _ in meta.planes)
+            or len(meta.planes) != len(plane_sizes(meta.transform, meta.width, meta.raw_size))):
+        return False
+    scratch = out if kind < 0 else _scratch("dec", meta.raw_size)
+    code, _plane, got = rans.decode_chunk_native(
+        mv, bytes(m for m, _ in meta.planes), [n for _, n in meta.planes], meta.width, kind,
+        base, scratch, out, meta.payload_xxh64, meta.raw_xxh64, verify_payload)
+    if code == rans.DEC_OK:
+        return True
+    if code == rans.DEC_PAYLOAD:
+        raise ChecksumMismatch(f"{where} (stored payload)", meta.payload_xxh64, got)
+    if code == rans.DEC_RAW:
+        raise ChecksumMismatch(f"{where} (decoded bytes)", meta.raw_xxh64, got)
+    return False
+
+
 def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, out: U8, *,
                  where: str = "chunk", verify_payload: bool = True) -> None:
     """Decode ``payload`` into ``out`` (``meta.raw_size`` writable bytes).
@@ -336,6 +390,8 @@ def decode_chunk(payload: bytes | memoryview, meta: ChunkMeta, base: U8 | None, 
         raise ShapeMismatch(f"{where}: output holds {out.size} bytes, chunk has {meta.raw_size}")
     if len(mv) != meta.stored_size:
         raise InvalidFormat(f"{where}: payload of {len(mv)} bytes, header says {meta.stored_size}")
+    if _decode_native(mv, meta, base, out, where, verify_payload):
+        return
     hasher = chunk_hasher(meta.hash_version)
     if verify_payload:
         got = hasher(mv)

@@ -374,3 +374,50 @@ def encode_batch(raws: list[U8], planes: U8, sizes: list[list[int]], *, raw_bits
         p += n
         off += size
     return stored, res
+
+
+# ---------------------------------------------------------------------------------------------
+# one chunk decoded in one native call (native/chunkenc.c: mc_decode_chunk)
+
+#: mc_decode_chunk's results (native/chunkenc.h: MC_DEC_*)
+DEC_OK, DEC_ARGS, DEC_PAYLOAD, DEC_BAD_PLANE, DEC_RANS, DEC_METHOD, DEC_RAW = 0, -1, -2, -3, -4, \
+    -5, -6
+_HAS_DECODER = NATIVE_V2 and hasattr(_lib, "mc_decode_chunk")
+_decoder_ok = False
+
+
+def bind_decoder(xxh3: int, ungroup_planes: int) -> bool:
+    """Hand the native chunk decoder XXH3_64bits (of python-xxhash, as the encoder) and
+    ``mk_ungroup_planes`` (of ``mithril_async._kernels``) by address; whether
+    :func:`decode_chunk_native` may run."""
+    global _decoder_ok
+    _decoder_ok = _HAS_DECODER and int(_lib.mc_set_decoder(xxh3, ungroup_planes)) == 0
+    return _decoder_ok
+
+
+def decoder_available() -> bool:
+    """Whether :func:`decode_chunk_native` runs (built, bound, the native rANS coder not
+    switched off, e.g. by a test that wants the Python decoders)."""
+    return _decoder_ok and NATIVE and NATIVE_V2
+
+
+def decode_chunk_native(payload: memoryview, methods: bytes, lens: list[int], width: int,
+                        kind: int, base: U8 | None, scratch: U8, out: U8, want_payload: int,
+                        want_raw: int, check_payload: bool) -> tuple[int, int, int]:
+    """One chunk decoded by ``mc_decode_chunk`` with the GIL released (see
+    native/chunkenc.h): ``(code, plane, value)``: code :data:`DEC_OK` or another ``DEC_*``,
+    the plane it concerns (-1 for none), and the hash it got (payload / raw mismatch) or the
+    rANS decoder's code."""
+    words = _ffi.new("uint64_t[4]", [want_payload, want_raw, 0, 0])
+    bad = _ffi.new("int *")
+    rc = int(_lib.mc_decode_chunk(
+        _ffi.from_buffer("uint8_t[]", payload), len(payload), methods,
+        _ffi.new("uint64_t[]", lens), len(lens), width, kind,
+        _ffi.NULL if base is None else _ffi.from_buffer("uint8_t[]", base),
+        _ffi.from_buffer("uint8_t[]", scratch, require_writable=True), scratch.size,
+        _ffi.from_buffer("uint8_t[]", out, require_writable=True), out.size, words,
+        int(check_payload), words + 2, bad))
+    value = int(words[3]) if rc == DEC_RAW else int(words[2])
+    if rc == DEC_RANS:
+        value = int(_ffi.cast("int64_t", words[2]))
+    return rc, int(bad[0]), value

@@ -51,6 +51,9 @@ class ChunkTransform:
     #: the planes are the (XORed) chunk bytes themselves: without a base, the decoder decodes
     #: straight into the output and skips :meth:`inverse`
     identity: ClassVar[bool] = False
+    #: how the native chunk decoder rebuilds the chunk from its planes (``kind`` of
+    #: ``mk_ungroup_planes``; -1: the planes are the bytes); None: only :meth:`inverse` can
+    native_kind: int | None = None
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ class ExponentPlanes(ChunkTransform):
         self.kind = kind  # the kernels' name of the layout ("bf16"/"fp32")
         width = K.KIND_WIDTHS[kind]
         self.widths = range(width, width + 1)
+        self.native_kind = K.KIND_CODES[kind]
 
     def choose(self, info: DtypeInfo, size: int, params: CodecParams) -> int | None:
         if (params.byte_grouping and params.exponent_planes and info.exp_kind == self.kind

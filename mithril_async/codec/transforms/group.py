@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class ByteGroup(ChunkTransform):
     id = Transform.GROUP
     widths = range(2, K.MAX_WIDTH + 1)
+    native_kind = 0
 
     def choose(self, info: DtypeInfo, size: int, params: CodecParams) -> int | None:
         w = info.group_width

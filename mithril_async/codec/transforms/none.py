@@ -18,6 +18,7 @@ class NoTransform(ChunkTransform):
     id = Transform.NONE
     widths = range(1, 2)
     identity = True
+    native_kind = -1
 
     def choose(self, info: DtypeInfo, size: int, params: CodecParams) -> int | None:
         return 1
