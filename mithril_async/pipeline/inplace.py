@@ -57,11 +57,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import math
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,7 @@ from mithril_async.pipeline.blobs import (
 )
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.reshard import Box, Read, SavedPiece, copy_runs, plan_reads
-from mithril_async.storage.base import Store
+from mithril_async.storage.base import RangeReader, Store, open_range_reader
 
 __all__ = ["CudaCopier", "HostCopier", "PreparedPieces", "Progress", "StagingRing",
            "apply_pieces", "copier_for", "decode_into", "guard_writes", "inplace_view",
@@ -576,13 +577,30 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
         finally:
             ring.release(lease)
 
+    def read_and_decode(reader: RangeReader, span: tuple[int, int],
+                        wblocks: list[BlockRef]) -> None:
+        mv = _checked_read(key, span, reader.read(*span))
+        for b in wblocks:
+            work(b, mv, span[0])
+
+    async def on_pool(reader: RangeReader, span: tuple[int, int],
+                      wblocks: list[BlockRef]) -> None:
+        async with slots:
+            await settled(pool, [(read_and_decode, (reader, span, wblocks))])
+
+    # a store that reads ranges on the pool's threads (local files): one pool task per
+    # window reads it and decodes its blocks (no thread hop between the read and the decode)
+    reader = None if ring is not None else await open_range_reader(store, key)
+    if reader is not None:
+        try:
+            await all_or_first_error([on_pool(reader, span, wb) for span, wb in windows])
+        finally:  # every task has settled: none still reads through it
+            reader.close()
+        return
+
     async def one(span: tuple[int, int], wblocks: list[BlockRef]) -> None:
         async with slots:
-            data = await store.get_range(key, *span)
-            if len(data) != span[1]:
-                raise InvalidFormat(f"{key}: ranged read of {span[1]} bytes at {span[0]} "
-                                    f"returned {len(data)}")
-            mv = memoryview(data).cast("B")
+            mv = _checked_read(key, span, await store.get_range(key, *span))
             if ring is None:
                 await settled(pool, [(work, (b, mv, span[0])) for b in wblocks])
                 return
@@ -592,6 +610,15 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
                  *(staged_block(b, mv, span[0]) for b in wblocks if ring.wants(b))])
 
     await all_or_first_error([one(span, wblocks) for span, wblocks in windows])
+
+
+def _checked_read(key: str, span: tuple[int, int], data: bytes) -> memoryview:
+    """The bytes of a ranged read of ``span`` (offset, length), as a memoryview, or
+    :class:`InvalidFormat` when the read returned another length (the blob shrank)."""
+    if len(data) != span[1]:
+        raise InvalidFormat(f"{key}: ranged read of {span[1]} bytes at {span[0]} "
+                            f"returned {len(data)}")
+    return memoryview(data).cast("B")
 
 
 async def read_spans(store: Store, ref: BlobRef, spans: Mapping[str, tuple[int, int]],
@@ -670,6 +697,23 @@ def _remote(store: Store) -> int:
     return max(1, int(getattr(store, "max_concurrency", 8) or 8))
 
 
+@contextlib.asynccontextmanager
+async def _ranges(store: Store, key: str, pool: Any
+                  ) -> AsyncIterator[Callable[[int, int], Awaitable[bytes]]]:
+    """``read(offset, length)`` of blob ``key``: on ``pool`` through one open file where the
+    store offers it (:func:`~mithril_async.storage.base.open_range_reader`), else the store's
+    ``get_range``."""
+    reader = await open_range_reader(store, key)
+    if reader is None:
+        yield lambda off, ln: store.get_range(key, off, ln)
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        yield lambda off, ln: loop.run_in_executor(pool, reader.read, off, ln)
+    finally:  # a read still running closes the file when it ends
+        reader.close()
+
+
 async def _ordered(spans: list[tuple[int, int]], read: Any, depth: int,
                    process: Any, where: str) -> None:
     """Read ``spans`` with up to ``depth`` reads in flight and ``await process(off, data)``
@@ -710,14 +754,12 @@ async def verify_blob(store: Store, ref: BlobRef, pool: Any, budget: int) -> Non
     loop = asyncio.get_running_loop()
     window, depth = window_plan(budget, _threads(pool))
 
-    async def read(off: int, ln: int) -> bytes:
-        return await store.get_range(ref.key, off, ln)
-
     async def update(_off: int, data: bytes) -> None:
         await loop.run_in_executor(pool, h.update, data)
 
-    await _ordered([(o, min(window, size - o)) for o in range(0, size, window)], read, depth,
-                   update, ref.key)
+    async with _ranges(store, ref.key, pool) as read:
+        await _ordered([(o, min(window, size - o)) for o in range(0, size, window)], read,
+                       depth, update, ref.key)
     got = h.hexdigest()
     if got != ref.xxh64:
         raise ChecksumMismatch(ref.key, ref.xxh64, got)
@@ -847,9 +889,6 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
         outs.append((b, e, view.ctypes.data if view.size else 0))
     window, depth = window_plan(budget, _threads(pool))
 
-    async def read(off: int, ln: int) -> bytes:
-        return await store.get_range(ref.key, off, ln)
-
     async def copy(off: int, data: bytes) -> None:
         base = np.frombuffer(data, np.uint8).ctypes.data
         w0, w1 = off - start, off - start + len(data)
@@ -859,8 +898,9 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
             progress.written.append(ref.key)
         await settled(pool, [(copy_batch, (jobs,)), (h.update, (data,))])
 
-    await _ordered([(o, min(window, size - o)) for o in range(start, size, window)], read,
-                   depth, copy, ref.key)
+    async with _ranges(store, ref.key, pool) as read:
+        await _ordered([(o, min(window, size - o)) for o in range(start, size, window)], read,
+                       depth, copy, ref.key)
     mark_written(t for n, t in tensors.items() if live.get(n) is t)
     got = h.hexdigest()
     if got != ref.xxh64:

@@ -35,6 +35,7 @@ import fcntl
 import hashlib
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -275,24 +276,23 @@ class LocalStore:
         check_range(key, start, length)
 
         def read_range(path: str) -> bytes:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = _open_file(path)
             try:
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-                parts: list[bytes] = []
-                pos, left = start, length
-                while left > 0:
-                    chunk = os.pread(fd, left, pos)
-                    if not chunk:
-                        break
-                    parts.append(chunk)
-                    pos += len(chunk)
-                    left -= len(chunk)
-                return b"".join(parts)
+                return _pread(fd, start, length)
             finally:
                 os.close(fd)
 
         return await self._run("get_range", key, read_range, reading=True)
+
+    async def open_range_reader(self, key: str) -> LocalRangeReader | None:
+        """One open file for many ranged reads on a worker thread (see
+        :func:`~mithril_async.storage.base.open_range_reader`). None for a subclass that
+        reads ranges its own way (overrides :meth:`get_range`): that way stays in use."""
+        if type(self).get_range is not LocalStore.get_range:
+            return None
+        path = self._path(key)
+        fd = await self._run("get_range", key, _open_file, reading=True)
+        return LocalRangeReader(self, key, path, fd)
 
     async def size(self, key: str) -> int:
         def stat_size(path: str) -> int:
@@ -543,6 +543,82 @@ class LocalStore:
 
     async def close(self) -> None:
         return None
+
+
+def _open_file(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path`` (no symlink, no folder)."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread(fd: int, start: int, length: int) -> bytes:
+    """``length`` bytes at ``start`` of ``fd`` (fewer only at its end)."""
+    parts: list[bytes] = []
+    pos, left = start, length
+    while left > 0:
+        chunk = os.pread(fd, left, pos)
+        if not chunk:
+            break
+        parts.append(chunk)
+        pos += len(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+class LocalRangeReader:
+    """Ranged reads of one file of a :class:`LocalStore` on the calling thread, through one
+    descriptor opened (confined, no symlink) by :meth:`LocalStore.open_range_reader`; errors
+    are the store's typed ones, as from ``get_range``. Thread-safe: reads may run on several
+    threads at once, and :meth:`close` closes the descriptor only once none is running (a
+    read still running when its caller gave up never reads another file through a reused
+    descriptor number)."""
+
+    def __init__(self, store: LocalStore, key: str, path: str, fd: int) -> None:
+        self._store, self._key, self._path, self._fd = store, key, path, fd
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closing = False
+
+    def read(self, start: int, length: int) -> bytes:
+        check_range(self._key, start, length)
+        with self._lock:
+            if self._closing:
+                raise StorageError(errno.EBADF, f"get_range {self._key!r}: reader closed",
+                                   self._path)
+            self._busy += 1
+        try:
+            return _pread(self._fd, start, length)
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise self._store._error(exc, "get_range", self._key, self._path,
+                                     reading=True) from exc
+        finally:
+            with self._lock:
+                self._busy -= 1
+                last = self._closing and self._busy == 0
+            if last:
+                self._close_fd()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            idle = self._busy == 0
+        if idle:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class LocalWriter(WriterContext):

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import itertools
 import json
+import os
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,8 @@ import mithril_async.pipeline.inplace as inplace
 import mithril_async.pipeline.reader as reader
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, ConfigError, parse_config
 from mithril_async.codec.container import BlockRef, parse_blob
-from mithril_async.errors import InvalidFormat, RestoreIncomplete, VersionNotFound
+from mithril_async.errors import InvalidFormat, RestoreIncomplete, StorageError, VersionNotFound
+from mithril_async.storage import local as local_mod
 from mithril_async.storage.local import LocalStore
 from tests.manager.conftest import Batcher, TinyNet, state_equal, train_step
 
@@ -32,26 +37,85 @@ VDIR = Path("runs") / "run1" / "versions"
 
 
 class GatedStore(LocalStore):
-    """A local store whose ranged reads can be held back (``gates[(key, offset)]`` awaited
-    before the read) and are counted per key."""
+    """A local store whose ranged reads go through ``get_range`` (overriding it turns the
+    range reader off) and can be held back: ``gates[(key, offset)]`` is awaited before the
+    read."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.gates: dict[tuple[str, int], Callable[[], Awaitable[None]]] = {}
-        self.read: dict[str, int] = {}
         self.whole_gets: list[str] = []
 
     async def get_range(self, key: str, start: int, length: int) -> bytes:
         gate = self.gates.get((key, start))
         if gate is not None:
             await gate()
-        data = await super().get_range(key, start, length)
-        self.read[key] = self.read.get(key, 0) + len(data)
-        return data
+        return await super().get_range(key, start, length)
 
     async def get(self, key: str) -> bytes:
         self.whole_gets.append(key)
         return await super().get(key)
+
+
+class GatedReaderStore(LocalStore):
+    """A local store read through its range reader (each window read and decoded by one
+    codec-pool task), whose window reads can be held back on the pool thread:
+    ``thread_gates[(key, offset)]()`` is called before the read."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.thread_gates: dict[tuple[str, int], Callable[[], None]] = {}
+        self.whole_gets: list[str] = []
+        self.readers: list[str] = []
+
+    async def open_range_reader(self, key: str) -> Any:
+        self.readers.append(key)
+        opened = await super().open_range_reader(key)
+        assert opened is not None  # get_range is LocalStore's own
+        inner = opened
+        gates = self.thread_gates
+
+        class Gated:
+            def read(self, start: int, length: int) -> bytes:
+                gate = gates.get((key, start))
+                if gate is not None:
+                    gate()
+                return inner.read(start, length)
+
+            def close(self) -> None:
+                inner.close()
+
+        return Gated()
+
+    async def get(self, key: str) -> bytes:
+        self.whole_gets.append(key)
+        return await super().get(key)
+
+
+@pytest.fixture(params=["get_range", "reader"])
+def gated(request: pytest.FixtureRequest, tmp_path: Path) -> GatedStore | GatedReaderStore:
+    """Both ways a local blob is read: window by window through ``get_range`` (a thread
+    hop for the read, one pool task per block), or through the store's range reader (one
+    pool task reads and decodes a window)."""
+    if request.param == "get_range":
+        return GatedStore(tmp_path)
+    return GatedReaderStore(tmp_path)
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Bytes read by ranged reads of local files, per file path (both read paths)."""
+    got: dict[str, int] = {}
+    real = local_mod._pread
+
+    def counting(fd: int, start: int, length: int) -> bytes:
+        data = real(fd, start, length)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        got[path] = got.get(path, 0) + len(data)
+        return data
+
+    monkeypatch.setattr(local_mod, "_pread", counting)
+    return got
 
 
 def _state(optimizer: bool = True) -> tuple[TinyNet, Any, dict[str, Any]]:
@@ -86,8 +150,8 @@ def _damage(path: Path, which: str) -> tuple[BlockRef, Any]:
     return b, info
 
 
-def _hold_until_others_decoded(store: GatedStore, key: str, b: BlockRef, info: Any,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+def _hold_until_others_decoded(store: GatedStore | GatedReaderStore, key: str, b: BlockRef,
+                               info: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The damaged block ``b`` is read only after every other block of blob ``key`` has been
     decoded into the live tensors (each block is its own window: ``WINDOW`` = 1 byte)."""
     monkeypatch.setattr(inplace, "WINDOW", 1)
@@ -107,7 +171,16 @@ def _hold_until_others_decoded(store: GatedStore, key: str, b: BlockRef, info: A
         while decoded[0] < others:  # polled: decodes finish on the codec threads
             await asyncio.sleep(0.002)
 
-    store.gates[(key, b.offset)] = gate
+    def thread_gate() -> None:  # on a codec thread: the other one decodes the rest
+        deadline = time.monotonic() + 120
+        while decoded[0] < others:
+            assert time.monotonic() < deadline, "the other blocks were never decoded"
+            time.sleep(0.002)
+
+    if isinstance(store, GatedStore):
+        store.gates[(key, b.offset)] = gate
+    else:
+        store.thread_gates[(key, b.offset)] = thread_gate
 
 
 def _manager(make_config: Callable[..., Config], tmp_path: Path, state: dict[str, Any],
@@ -117,8 +190,8 @@ def _manager(make_config: Callable[..., Config], tmp_path: Path, state: dict[str
 
 
 def test_block_mode_reads_each_blob_once_into_the_live_tensors(
-        tmp_path: Path, make_config: Callable[..., Config],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore, bytes_read: dict[str, int]) -> None:
     model, opt, state = _state()
     with _manager(make_config, tmp_path, state) as mgr:
         mgr.save_nowait(1).result()
@@ -130,7 +203,8 @@ def test_block_mode_reads_each_blob_once_into_the_live_tensors(
         raise AssertionError("an MCKP blob was verified in a separate pass")
 
     monkeypatch.setattr(reader, "verify_blob", no_whole_pass)
-    store = GatedStore(tmp_path)
+    store = gated
+    bytes_read.clear()
     with _manager(make_config, tmp_path, state, store) as mgr:
         assert mgr.restore_sync("latest") == 1
     assert state_equal(saved[0], model.state_dict())
@@ -139,12 +213,16 @@ def test_block_mode_reads_each_blob_once_into_the_live_tensors(
     blobs = {str(p.relative_to(tmp_path)): p.stat().st_size
              for p in (tmp_path / VDIR / "v000001").iterdir() if p.suffix in (".mckp", ".bin")}
     assert len(blobs) == 2 and not set(blobs) & set(store.whole_gets)
-    assert {k: store.read.get(k) for k in blobs} == blobs  # every byte read exactly once
+    got = {k: bytes_read.get(str(tmp_path / k)) for k in blobs}
+    assert got == blobs  # every byte read exactly once
+    if isinstance(store, GatedReaderStore):  # the blocks came through the range readers
+        assert sorted(store.readers) == sorted(blobs)
 
 
 def test_a_damaged_block_after_others_were_written_is_restore_incomplete(
         tmp_path: Path, make_config: Callable[..., Config],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore) -> None:
     model, opt, state = _state(optimizer=False)
     with _manager(make_config, tmp_path, state) as mgr:
         mgr.save_nowait(1).result()
@@ -153,7 +231,7 @@ def test_a_damaged_block_after_others_were_written_is_restore_incomplete(
     before = copy.deepcopy(model.state_dict())
     key, path = _model_blob(tmp_path, 1)
     b, info = _damage(path, "last")
-    store = GatedStore(tmp_path)
+    store = gated
     _hold_until_others_decoded(store, key, b, info, monkeypatch)
     with (_manager(make_config, tmp_path, state, store) as mgr,
           pytest.raises(RestoreIncomplete, match="partially overwritten") as err):
@@ -176,8 +254,8 @@ def test_a_damaged_block_after_others_were_written_is_restore_incomplete(
 
 
 def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
-        tmp_path: Path, make_config: Callable[..., Config],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, make_config: Callable[..., Config], monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore) -> None:
     model, opt, state = _state(optimizer=False)
     with _manager(make_config, tmp_path, state) as mgr:
         mgr.save_nowait(1).result()
@@ -186,15 +264,33 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
     key, path = _model_blob(tmp_path, 1)
     b, info = _damage(path, "first")
     monkeypatch.setattr(inplace, "WINDOW", 1)
-    store = GatedStore(tmp_path)
+    store = gated
     never = asyncio.Event()
 
     async def held() -> None:  # cancelled once the damaged block fails
         await never.wait()
 
+    failed = threading.Event()
+    real = inplace.block_from_bytes
+
+    def watched(*a: Any, **k: Any) -> Any:
+        try:
+            return real(*a, **k)
+        except ChecksumMismatch:
+            failed.set()
+            raise
+
+    def held_then_refused() -> None:  # a read on a codec thread cannot be cancelled: it
+        assert failed.wait(120)  # waits for the damage to be found, then fails unwritten
+        raise StorageError(errno.EIO, "held back by the test")
+
+    monkeypatch.setattr(inplace, "block_from_bytes", watched)
     for other in info.index.values():
         if other.offset != b.offset:
-            store.gates[(key, other.offset)] = held
+            if isinstance(store, GatedStore):
+                store.gates[(key, other.offset)] = held
+            else:
+                store.thread_gates[(key, other.offset)] = held_then_refused
     with _manager(make_config, tmp_path, state, store) as mgr:
         with pytest.raises(ChecksumMismatch, match="payload"):
             mgr.restore_sync("latest")
@@ -205,7 +301,8 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
 
 def test_fallback_after_a_partial_overwrite_restores_the_older_version_whole(
         tmp_path: Path, make_config: Callable[..., Config],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore) -> None:
     model, opt, state = _state()
     batcher = Batcher()
     with _manager(make_config, tmp_path, state) as mgr:
@@ -217,7 +314,7 @@ def test_fallback_after_a_partial_overwrite_restores_the_older_version_whole(
     ptrs = {n: t.data_ptr() for n, t in model.state_dict().items()}
     key, path = _model_blob(tmp_path, 2)
     b, info = _damage(path, "last")
-    store = GatedStore(tmp_path)
+    store = gated
     _hold_until_others_decoded(store, key, b, info, monkeypatch)
     with _manager(make_config, tmp_path, state, store) as mgr:
         res = mgr.restore_sync("latest", fallback=True)
@@ -225,6 +322,39 @@ def test_fallback_after_a_partial_overwrite_restores_the_older_version_whole(
     assert state_equal(v1[0], model.state_dict())  # bitwise the older version, all of it
     assert state_equal(v1[1], opt.state_dict())
     assert {n: t.data_ptr() for n, t in model.state_dict().items()} == ptrs
+
+
+def test_range_readers_are_closed_after_every_restore(
+        tmp_path: Path, make_config: Callable[..., Config]) -> None:
+    """Each restore opens one file per blob for its window reads (plain local store, both
+    verify modes, compressed and raw blobs) and closes it, also when a damaged block fails
+    the restore."""
+    _model, _opt, state = _state()
+    with _manager(make_config, tmp_path, state) as mgr:
+        mgr.save_nowait(1).result()
+    with CheckpointManager(make_config("[checkpointing.compression]\nenabled = false\n"),
+                           state, store=LocalStore(tmp_path), runs_prefix="raw") as mgr:
+        mgr.save_nowait(1).result()
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with _manager(make_config, tmp_path, state) as mgr:
+        mgr.restore_sync("latest")  # warm: the manager's own files are open from here
+        before = fds()
+        for verify in ("block", "whole"):
+            assert mgr.restore_sync("latest", verify=verify) == 1
+        assert fds() == before
+        _damage(_model_blob(tmp_path, 1)[1], "last")
+        with pytest.raises((ChecksumMismatch, RestoreIncomplete)):
+            mgr.restore_sync("latest")
+        assert fds() == before
+    with CheckpointManager(make_config(""), state, store=LocalStore(tmp_path),
+                           runs_prefix="raw") as mgr:
+        mgr.restore_sync("latest")
+        before = fds()
+        assert mgr.restore_sync("latest") == 1
+        assert fds() == before
 
 
 def test_a_blob_of_another_version_in_its_place_is_caught_before_writing(
@@ -305,7 +435,8 @@ def test_the_verify_mode_is_validated_and_chosen_by_the_config(
 
 def test_no_fallback_to_a_version_that_cannot_write_over_all_that_was_touched(
         tmp_path: Path, make_config: Callable[..., Config],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore) -> None:
     """v1 holds the model only; v2's optimizer blob is damaged after some of its blocks were
     written: falling back to v1 would leave those moments half-written, so the restore says
     so (RestoreIncomplete naming the item) instead of returning."""
@@ -318,7 +449,7 @@ def test_no_fallback_to_a_version_that_cannot_write_over_all_that_was_touched(
     (path,) = (tmp_path / VDIR / "v000002").glob("opt*.bin")
     key = str(path.relative_to(tmp_path))
     b, info = _damage(path, "last")
-    store = GatedStore(tmp_path)
+    store = gated
     _hold_until_others_decoded(store, key, b, info, monkeypatch)
     with (_manager(make_config, tmp_path, state, store) as mgr,
           pytest.raises(RestoreIncomplete, match="v000001 has no optimizer") as err):
