@@ -166,19 +166,22 @@ def _reshard_rank(rank: int, world: int, port: int, what: str, runs: str, layers
         if what == "save":
             mgr.save_nowait(1).result()
         else:
-            times = []
+            times, peaks = [], []
             for _ in range(reps + 1):  # the first warms the page cache
                 dist.barrier()
-                t0 = time.perf_counter()
-                mgr.restore_sync("latest")
-                times.append(time.perf_counter() - t0)
-            out.put((rank, times[1:]))
+                with PeakRSS() as rss:
+                    t0 = time.perf_counter()
+                    mgr.restore_sync("latest")
+                    times.append(time.perf_counter() - t0)
+                peaks.append(rss.peak_extra)
+            out.put((rank, times[1:], max(peaks)))
     dist.destroy_process_group()
 
 
 def _launch(world: int, what: str, runs: Path, layers: int, d: int, reps: int
-            ) -> list[float]:
-    """Run ``world`` ranks; for a restore, the per-repetition time of the slowest rank."""
+            ) -> tuple[list[float], int]:
+    """Run ``world`` ranks; for a restore, the per-repetition time of the slowest rank and
+    the largest peak extra RSS of any rank in any repetition (the warm-up one included)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -197,8 +200,9 @@ def _launch(world: int, what: str, runs: Path, layers: int, d: int, reps: int
         p.join()
         assert p.exitcode == 0, f"{what} rank exited with {p.exitcode}"
     if not got:
-        return []
-    return [max(times[i] for _, times in got) for i in range(reps)]
+        return [], 0
+    return ([max(times[i] for _, times, _ in got) for i in range(reps)],
+            max(peak for _, _, peak in got))
 
 
 def reshard_bench(layers: int, d: int, reps: int) -> None:
@@ -206,17 +210,23 @@ def reshard_bench(layers: int, d: int, reps: int) -> None:
     try:
         for w in (2, 4):
             _launch(w, "save", tmp / f"saved{w}", layers, d, reps)
-        rows = {}
+        rows, peaks = {}, {}
         for saved, world in ((2, 2), (4, 2), (4, 4), (2, 4)):
-            rows[(saved, world)] = statistics.median(
-                _launch(world, "restore", tmp / f"saved{saved}", layers, d, reps))
-        n = sum(1 for _ in GPTLike(layers, d).parameters())
+            times, peaks[(saved, world)] = _launch(world, "restore", tmp / f"saved{saved}",
+                                                   layers, d, reps)
+            rows[(saved, world)] = statistics.median(times)
+        model = GPTLike(layers, d)
+        n = sum(1 for _ in model.parameters())
+        state = 3 * sum(p.numel() * 4 for p in model.parameters())  # weights + 2 moments
         print(f"resharded restore: fp32 GPT-like ({layers} layers, d={d}; {n} parameters, "
-              f"AdamW state; Shard(0) DTensors), slowest rank, median of {reps}")
+              f"AdamW state; Shard(0) DTensors; {state / 2**20:.0f} MiB in all), slowest "
+              f"rank, median of {reps}; peak extra RSS: the most of any rank and restore")
         for (saved, world), sec in rows.items():
             same = rows[(world, world)]
             print(f"  saved by {saved}, restored on {world}: {sec:7.3f} s  "
-                  f"vs same-world restore on {world}: {sec / same:5.2f}x")
+                  f"vs same-world restore on {world}: {sec / same:5.2f}x  peak extra RSS "
+                  f"{peaks[(saved, world)] / 2**20:7.1f} MiB (local state "
+                  f"{state / world / 2**20:.0f} MiB)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

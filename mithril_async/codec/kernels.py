@@ -237,15 +237,30 @@ def copy_batch(jobs: list[tuple[int, int, int]], stream_min: int = 1 << 20) -> N
         if len(job) != 3 or min(job) < 0:
             raise ValueError(f"copy_batch: job {i} is not a (src, dst, nbytes) triple of "
                              f"non-negative ints: {job!r}")
+    src, dst, ln = np.ascontiguousarray(np.array(jobs, dtype=np.uint64).T)  # 3 columns
+    copy_arrays(src, dst, ln, stream_min)
+
+
+def copy_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                stream_min: int = 1 << 20) -> None:
+    """:func:`copy_batch` of jobs given as three equal-length uint64 arrays (addresses and
+    byte counts): for many runs (a resharded restore copies one per row of a column-sharded
+    tensor) without a Python tuple per job."""
+    src, dst, nbytes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, nbytes))
+    n = src.size
+    if dst.size != n or nbytes.size != n:
+        raise ValueError(f"copy_arrays: {src.size} sources, {dst.size} destinations, "
+                         f"{nbytes.size} lengths")
+    if not n:
+        return
     if _use_native:
-        src, dst, ln = np.ascontiguousarray(np.array(jobs, dtype=np.uint64).T)  # 3 columns
         _lib.mk_copy_batch(_ffi.cast("uintptr_t *", src.ctypes.data),
                            _ffi.cast("uintptr_t *", dst.ctypes.data),
-                           _ffi.cast("size_t *", ln.ctypes.data), n, stream_min)
+                           _ffi.cast("size_t *", nbytes.ctypes.data), n, stream_min)
         return
     import ctypes
 
-    for s_addr, d_addr, nb in jobs:
+    for s_addr, d_addr, nb in zip(src.tolist(), dst.tolist(), nbytes.tolist(), strict=True):
         ctypes.memmove(d_addr, s_addr, nb)
 
 
@@ -355,6 +370,7 @@ __all__ = [
     "MAX_WIDTH",
     "WIDTHS",
     "available_backends",
+    "copy_arrays",
     "copy_batch",
     "copy_stream",
     "element_width",

@@ -27,19 +27,12 @@ CUDA a ``non_blocking`` copy on a side stream, the buffer reused only once its e
 completed), so it too is restored in place within a bounded memory. A live tensor that is
 not contiguous is decoded into a fresh tensor as before (``load_state_dict`` then copies it).
 
-Sharded state on any world size and mesh (:func:`prepare_pieces`, then :func:`apply_pieces`):
-for every tensor, before anything is read, the live global shape and dtype must be the saved
-ones (``ShapeMismatch`` naming the tensor), the saved pieces must cover the box this rank holds
-(:func:`~mithril_async.pipeline.reshard.plan_reads`: ``MissingPrevious`` naming the tensor and
-the hole), and every blob the plan reads must exist with its recorded size (``MissingPrevious``
-naming the rank and the blob). Then each saved rank's blob gives only the chunks covering the
-span this rank needs of each tensor (:func:`read_spans`; ranged reads, every block hashed),
-all of them concurrently, and only when every item is decoded are the overlaps copied into the
-live local shards (one ``copy_batch`` per item).
+Sharded state on any world size and mesh is restored from its pieces by
+:mod:`~mithril_async.pipeline.pieces`, with the pieces of this module (blob opening, block
+streaming, verification, ``settled``).
 
-Guarantee: a missing blob, piece or RNG file, a damaged RNG file, trailer, header or index, a
-damaged piece (a restore from pieces decodes them all before writing), a live shape that
-differs, and with ``"whole"`` any damage, leave the live state untouched and
+Guarantee: a missing blob or RNG file, a damaged RNG file, trailer, header or index, a live
+shape that differs, and with ``"whole"`` any damage, leave the live state untouched and
 raise their own typed error (so ``restore(fallback=True)`` can move on to an older version).
 With ``"block"`` a damaged block is found only when its window is read: if no block of the
 restore has been written yet, its own typed error (untouched); otherwise
@@ -85,27 +78,23 @@ from mithril_async.codec.safetensors_io import SAFETENSORS_DTYPES
 from mithril_async.errors import (
     ChecksumMismatch,
     InvalidFormat,
-    KeyNotFound,
-    MissingPrevious,
     RestoreIncomplete,
     ShapeMismatch,
 )
-from mithril_async.manifest import BlobRef, ShardRef
+from mithril_async.manifest import BlobRef
 from mithril_async.pipeline.blobs import (
     ITEM_KEY,
     REFS_KEY,
-    BlobCodec,
-    LoadBlob,
     skeleton_of,
 )
 from mithril_async.pipeline.loop import all_or_first_error
-from mithril_async.pipeline.reshard import Box, Read, SavedPiece, copy_runs, plan_reads
 from mithril_async.storage.base import RangeReader, Store, open_range_reader
 
-__all__ = ["CudaCopier", "HostCopier", "PreparedPieces", "Progress", "StagingRing",
-           "apply_pieces", "copier_for", "decode_into", "guard_writes", "inplace_view",
-           "mark_written", "prepare_pieces", "settled", "stageable", "takes_in_place",
-           "verify_blob"]
+__all__ = ["CudaCopier", "HostCopier", "Progress", "SafetensorsInfo", "StagingRing",
+           "check_binding", "check_tiling", "checked_read", "copier_for", "decode_blocks",
+           "decode_into", "guard_writes", "inplace_view", "mark_written", "open_mckp",
+           "open_safetensors", "ordered_reads", "pool_threads", "range_reads", "settled",
+           "stageable", "takes_in_place", "verify_blob", "window_plan"]
 
 
 @dataclass
@@ -119,121 +108,6 @@ class Progress:
     @property
     def touched(self) -> bool:
         return bool(self.written)
-
-
-@dataclass
-class _Want:
-    target: Any  # distributed.ShardTarget
-    reads: list[Read]
-
-
-@dataclass
-class PreparedPieces:
-    """One item of a restore from pieces, decoded and planned, not yet written: its state
-    skeleton and the copies ``(src, dst, nbytes)`` from the decoded pieces (``keep``) into
-    the live local shards."""
-
-    item: str
-    skeleton: Any
-    ranks: int
-    jobs: list[tuple[int, int, int]] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)
-
-
-async def prepare_pieces(codec: BlobCodec, store: Store, version: str, item: str,
-                         refs: Mapping[int, ShardRef], targets: Mapping[str, Any],
-                         load_blob: LoadBlob, budget: int) -> PreparedPieces:
-    """Plan, read, verify and decode what item ``item`` needs from its saved pieces to fill
-    ``targets`` (name -> ``ShardTarget``); write nothing (:func:`apply_pieces` does). The
-    skeleton comes from the lowest saved rank's blob."""
-    wants: dict[str, _Want] = {}
-    for name, tgt in targets.items():
-        pieces = [SavedPiece(r, Box.of(p.offsets, p.lengths), p.replicated)
-                  for r, ref in refs.items() if (p := ref.pieces.get(name)) is not None]
-        for r, ref in refs.items():
-            p = ref.pieces.get(name)
-            if p is not None and list(p.global_shape) != list(tgt.global_shape):
-                raise ShapeMismatch(f"{item}: tensor {name!r} is {list(tgt.global_shape)} here "
-                                    f"but rank {r} saved it as part of {p.global_shape}")
-        wants[name] = _Want(tgt, plan_reads(f"{item}/{name}", tgt.box, pieces))
-    by_rank: dict[int, list[str]] = {min(refs): []}  # the lowest rank supplies the skeleton
-    for name, want in wants.items():
-        for rd in want.reads:
-            names = by_rank.setdefault(rd.rank, [])
-            if name not in names:
-                names.append(name)
-    for r, names in by_rank.items():  # every blob the plan reads exists, before any read
-        ref = refs[r]
-        try:
-            size = await store.size(ref.key)
-        except KeyNotFound:
-            what = f"tensor {names[0]!r}" if names else "the state skeleton"
-            raise MissingPrevious(f"{version}: rank {r}'s {item} blob {ref.key} (holding "
-                                  f"{what}) is missing") from None
-        if size != ref.bytes:
-            raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
-    # the runs each saved piece supplies, and the byte span of the piece they lie in: only
-    # the chunks covering that span are read and decoded (a 2 -> 4 reshard reads half of each
-    # saved piece, not all of it)
-    runs: dict[int, list[tuple[str, Read, np.ndarray]]] = {r: [] for r in by_rank}
-    spans: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in by_rank}
-    for name, want in wants.items():
-        itemsize = want.target.local.element_size()
-        for rd in want.reads:
-            rr = copy_runs(rd.src, want.target.box, rd.overlap, itemsize)
-            runs[rd.rank].append((name, rd, rr))
-            lo, hi = int(rr[:, 0].min()), int((rr[:, 0] + rr[:, 2]).max())
-            old = spans[rd.rank].get(name)
-            spans[rd.rank][name] = (lo, hi) if old is None else (min(lo, old[0]),
-                                                                 max(hi, old[1]))
-    order = sorted(by_rank)
-
-    async def read_rank(r: int) -> tuple[Any, dict[str, tuple[int, np.ndarray, str,
-                                                          tuple[int, ...]]]]:
-        got = await read_spans(store, refs[r], spans[r], codec.pool, budget)
-        if got is not None:
-            return got
-        skel, tensors = await codec.read(store, refs[r], load_blob, only=frozenset(spans[r]))
-        out = {}
-        for name in spans[r]:
-            t = tensors.get(name)
-            if t is None:
-                raise InvalidFormat(f"{item}: rank {r}'s blob lacks tensor {name!r} its "
-                                    "manifest entry lists")
-            t = t.contiguous()
-            out[name] = (0, t.reshape(-1).view(torch.uint8).numpy() if t.numel() else
-                         np.empty(0, np.uint8), str(t.dtype).removeprefix("torch."),
-                         tuple(t.shape))
-        return skel, out
-
-    # every saved rank's blob read concurrently; nothing is written until every item of the
-    # restore is decoded (the caller copies with apply_pieces)
-    got = await all_or_first_error([read_rank(r) for r in order])
-    out = PreparedPieces(item, got[0][0], len(order))  # the lowest rank's skeleton
-    for r, (_skel, pieces) in zip(order, got, strict=True):
-        for name, rd, rr in runs[r]:
-            start, buf, dtype, shape = pieces[name]
-            target = wants[name].target
-            if shape != rd.src.lengths or dtype != str(target.dtype).removeprefix("torch."):
-                raise InvalidFormat(f"{item}: rank {r}'s tensor {name!r} is {dtype}{list(shape)}"
-                                    f", its manifest entry says {target.dtype}"
-                                    f"{list(rd.src.lengths)}")
-            out.keep.append(buf)
-            s0, d0 = buf.ctypes.data - start, target.local.data_ptr()
-            out.jobs.extend((s0 + a, d0 + b, n) for a, b, n in rr.tolist())
-    return out
-
-
-async def apply_pieces(prepared: list[PreparedPieces], targets: Mapping[str, Mapping[str, Any]],
-                       pool: Any, progress: Progress) -> None:
-    """Copy every prepared item's overlaps into the live local shards: one native batched
-    copy per item (GIL released, no ``torch.Tensor.copy_``)."""
-    loop = asyncio.get_running_loop()
-    for p in prepared:
-        progress.written.append(f"{p.item} (from {p.ranks} saved rank(s))")
-        await loop.run_in_executor(pool, copy_batch, p.jobs)
-        p.jobs, p.keep = [], []
-        mark_written(t.local for t in targets[p.item].values())
 
 
 def mark_written(tensors: Iterable[torch.Tensor]) -> None:
@@ -317,13 +191,13 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
     if ref.format == "safetensors":
         return await _decode_safetensors_into(store, ref, live, pool, budget, progress, opened)
 
-    info = await _open_mckp(store, ref, size)
+    info = await open_mckp(store, ref, size)
     skeleton = skeleton_of(info.metadata, ref.key)
     _check_shapes(ref.key, live, ((t.name, t.shape) for t in info.tensors))
     blocks = sorted(info.index.values(), key=lambda r: r.offset)
     if not verified:
-        _check_tiling(ref.key, info, blocks)
-        _check_binding(ref.key, info, step, item)
+        check_tiling(ref.key, info, blocks)
+        check_binding(ref.key, info, step, item)
     if opened is not None:
         await opened()
     outs: list[np.ndarray] = []
@@ -347,7 +221,7 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
     if staged:
         biggest = max(ln for ti in staged for _, ln in info.tensors[ti].chunks)
         # as many buffers as windows in flight, within the budget (at least one)
-        depth = window_plan(budget, _threads(pool), _remote(store))[1]
+        depth = window_plan(budget, pool_threads(pool), _remote(store))[1]
         ring = StagingRing(info, staged, biggest, max(1, min(depth, budget // biggest)))
 
     def dest(b: BlockRef) -> np.ndarray:
@@ -359,7 +233,7 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
             progress.written.append(ref.key)
 
     try:
-        await _decode_blocks(store, ref.key, info, blocks, dest, pool, budget, started, ring)
+        await decode_blocks(store, ref.key, info, blocks, dest, pool, budget, started, ring)
     finally:  # what was written is written, whatever stopped the rest
         if ref.key in progress.written:
             mark_written(t for n, t in tensors.items() if live.get(n) is t)
@@ -369,7 +243,7 @@ async def decode_into(store: Store, ref: BlobRef, live: Mapping[str, torch.Tenso
     return skeleton, tensors
 
 
-async def _open_mckp(store: Store, ref: BlobRef, size: int) -> MckpInfo:
+async def open_mckp(store: Store, ref: BlobRef, size: int) -> MckpInfo:
     """Trailer, header and index of MCKP blob ``ref`` by ranged reads, each checked by its
     own hash; a blob that is a delta or references tensors its manifest entry does not name,
     or declares other raw bytes than recorded, is :class:`InvalidFormat`. Every byte is read
@@ -400,7 +274,7 @@ async def _open_mckp(store: Store, ref: BlobRef, size: int) -> MckpInfo:
     return info
 
 
-def _check_tiling(key: str, info: MckpInfo, blocks: list[BlockRef]) -> None:
+def check_tiling(key: str, info: MckpInfo, blocks: list[BlockRef]) -> None:
     """The blocks (sorted by offset) fill the data area exactly, as the writer lays them out:
     what a one-pass restore hashes window by window is then every byte of the blob."""
     at = info.data_start
@@ -507,7 +381,7 @@ class StagingRing:
         self.copiers[target.device].copy(dst, src)
 
 
-def _check_binding(key: str, info: MckpInfo, step: int | None, item: str | None) -> None:
+def check_binding(key: str, info: MckpInfo, step: int | None, item: str | None) -> None:
     """The blob's header records the version's step and the item it belongs to (where it
     records them): a blob of another version or item put in this one's place is caught
     without its whole hash."""
@@ -520,18 +394,22 @@ def _check_binding(key: str, info: MckpInfo, step: int | None, item: str | None)
                             f"as {item!r}")
 
 
-async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[BlockRef],
-                         dest: Callable[[BlockRef], np.ndarray], pool: Any, budget: int,
-                         started: Callable[[], None] = lambda: None,
-                         ring: StagingRing | None = None) -> None:
+async def decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[BlockRef],
+                        dest: Callable[[BlockRef], np.ndarray], pool: Any, budget: int,
+                        started: Callable[[], None] = lambda: None,
+                        ring: StagingRing | None = None,
+                        after: Callable[[BlockRef, np.ndarray], None] | None = None) -> None:
     """Read ``blocks`` of blob ``key`` (adjacent ones merged into reads of a few MiB, as many
     in flight as :func:`window_plan` allows within ``budget``) and decode each into
     ``dest(block)`` on ``pool``: its header and payload hash checked before a byte of it is
     decoded, its decoded bytes' hash after. ``started()`` runs (on a pool thread) once the
     first block has passed its checks, before its first byte is decoded; no decode is still
     running when this returns or raises (:func:`settled`). ``ring``: the blocks it wants are
-    decoded into a leased buffer of it and copied from there into their live tensor."""
-    window, depth = window_plan(budget, _threads(pool), _remote(store))
+    decoded into a leased buffer of it and copied from there into their live tensor.
+    ``after(block, decoded)``: runs on the same pool thread right after a block is decoded
+    and verified (``dest`` may hand out a per-thread scratch buffer that ``after`` copies
+    from)."""
+    window, depth = window_plan(budget, pool_threads(pool), _remote(store))
     windows = _windows(sorted(blocks, key=lambda r: r.offset), window)
     slots = asyncio.Semaphore(depth)  # windows read and not yet decoded: the memory bound
 
@@ -552,9 +430,12 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
                     started()
                     fired[0] = True
         out = staged_dest.get((b.tensor, b.chunk))
-        decode_chunk(payload, meta, None, dest(b) if out is None else out,
+        into = dest(b) if out is None else out
+        decode_chunk(payload, meta, None, into,
                      where=f"{key}: {info.block_name(b.tensor, b.chunk)}",
                      verify_payload=False)
+        if after is not None:
+            after(b, into)
 
     #: staged blocks being decoded -> their leased buffer (set and read on one pool thread)
     staged_dest: dict[tuple[int, int], np.ndarray] = {}
@@ -579,7 +460,7 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
 
     def read_and_decode(reader: RangeReader, span: tuple[int, int],
                         wblocks: list[BlockRef]) -> None:
-        mv = _checked_read(key, span, reader.read(*span))
+        mv = checked_read(key, span, reader.read(*span))
         for b in wblocks:
             work(b, mv, span[0])
 
@@ -600,7 +481,7 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
 
     async def one(span: tuple[int, int], wblocks: list[BlockRef]) -> None:
         async with slots:
-            mv = _checked_read(key, span, await store.get_range(key, *span))
+            mv = checked_read(key, span, await store.get_range(key, *span))
             if ring is None:
                 await settled(pool, [(work, (b, mv, span[0])) for b in wblocks])
                 return
@@ -612,56 +493,13 @@ async def _decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Bl
     await all_or_first_error([one(span, wblocks) for span, wblocks in windows])
 
 
-def _checked_read(key: str, span: tuple[int, int], data: bytes) -> memoryview:
+def checked_read(key: str, span: tuple[int, int], data: bytes) -> memoryview:
     """The bytes of a ranged read of ``span`` (offset, length), as a memoryview, or
     :class:`InvalidFormat` when the read returned another length (the blob shrank)."""
     if len(data) != span[1]:
         raise InvalidFormat(f"{key}: ranged read of {span[1]} bytes at {span[0]} "
                             f"returned {len(data)}")
     return memoryview(data).cast("B")
-
-
-async def read_spans(store: Store, ref: BlobRef, spans: Mapping[str, tuple[int, int]],
-                     pool: Any, budget: int
-                     ) -> tuple[Any, dict[str, tuple[int, np.ndarray, str, tuple[int, ...]]]] \
-        | None:
-    """Only the bytes ``[lo, hi)`` of each named tensor of MCKP blob ``ref``: the chunks
-    covering them, read by ranges and decoded (every block's hashes checked, as ever).
-    Returns the blob's state skeleton and ``name -> (start, bytes, dtype, shape)`` where
-    ``bytes`` holds the tensor's bytes
-    from ``start`` (a chunk boundary at or below ``lo``) to a chunk boundary at or above
-    ``hi``. None for a blob this path does not take (not MCKP, a delta, references): the
-    caller reads it through the codec, whole."""
-    if not takes_in_place(ref) or ref.format != "mckp":
-        return None
-    size = await store.size(ref.key)
-    if size != ref.bytes:
-        raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
-    info = await _open_mckp(store, ref, size)
-    index = {t.name: ti for ti, t in enumerate(info.tensors)}
-    out: dict[str, tuple[int, np.ndarray, str, tuple[int, ...]]] = {}
-    where: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # block -> (buffer, its start)
-    for name, (lo, hi) in spans.items():
-        ti = index.get(name)
-        if ti is None:
-            raise InvalidFormat(f"{ref.key}: lacks tensor {name!r} its manifest entry lists")
-        t = info.tensors[ti]
-        need = [(ci, off, ln) for ci, (off, ln) in enumerate(t.chunks)
-                if off < hi and off + ln > lo]
-        start = need[0][1] if need else 0
-        buf = np.empty((need[-1][1] + need[-1][2] - start) if need else 0, np.uint8)
-        for ci, _off, _ln in need:
-            where[(ti, ci)] = (buf, start)
-        out[name] = (start, buf, t.dtype, t.shape)
-
-    def dest(b: BlockRef) -> np.ndarray:
-        buf, start = where[(b.tensor, b.chunk)]
-        off, ln = info.tensors[b.tensor].chunks[b.chunk]
-        return buf[off - start:off - start + ln]
-
-    await _decode_blocks(store, ref.key, info, [info.index[k] for k in where], dest, pool,
-                         budget)
-    return skeleton_of(info.metadata, ref.key), out
 
 
 #: bytes per ranged read of a streamed restore: small enough that a window read is still in
@@ -698,7 +536,7 @@ def _remote(store: Store) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _ranges(store: Store, key: str, pool: Any
+async def range_reads(store: Store, key: str, pool: Any
                   ) -> AsyncIterator[Callable[[int, int], Awaitable[bytes]]]:
     """``read(offset, length)`` of blob ``key``: on ``pool`` through one open file where the
     store offers it (:func:`~mithril_async.storage.base.open_range_reader`), else the store's
@@ -714,7 +552,7 @@ async def _ranges(store: Store, key: str, pool: Any
         reader.close()
 
 
-async def _ordered(spans: list[tuple[int, int]], read: Any, depth: int,
+async def ordered_reads(spans: list[tuple[int, int]], read: Any, depth: int,
                    process: Any, where: str) -> None:
     """Read ``spans`` with up to ``depth`` reads in flight and ``await process(off, data)``
     for each, in order (a streamed hash needs the bytes in order)."""
@@ -752,13 +590,13 @@ async def verify_blob(store: Store, ref: BlobRef, pool: Any, budget: int) -> Non
         raise InvalidFormat(f"{ref.key}: {size} bytes, manifest says {ref.bytes}")
     h = xxhash.xxh64()
     loop = asyncio.get_running_loop()
-    window, depth = window_plan(budget, _threads(pool))
+    window, depth = window_plan(budget, pool_threads(pool))
 
     async def update(_off: int, data: bytes) -> None:
         await loop.run_in_executor(pool, h.update, data)
 
-    async with _ranges(store, ref.key, pool) as read:
-        await _ordered([(o, min(window, size - o)) for o in range(0, size, window)], read,
+    async with range_reads(store, ref.key, pool) as read:
+        await ordered_reads([(o, min(window, size - o)) for o in range(0, size, window)], read,
                        depth, update, ref.key)
     got = h.hexdigest()
     if got != ref.xxh64:
@@ -792,7 +630,7 @@ async def settled(pool: Any, calls: list[tuple[Callable[..., Any], tuple[Any, ..
         raise first
 
 
-def _threads(pool: Any) -> int:
+def pool_threads(pool: Any) -> int:
     return int(getattr(pool, "_max_workers", 1) or 1)
 
 
@@ -834,6 +672,46 @@ def _st_entries(header: Any, data_len: int, where: str
     return out
 
 
+@dataclass
+class SafetensorsInfo:
+    """What the head of an uncompressed (safetensors) blob says: its tensors (``entries``:
+    name, dtype, shape, begin, end within the data area), where its data area begins, its
+    state skeleton, and the bytes before the data (hashed first by :meth:`hasher`)."""
+
+    entries: list[tuple[str, str, tuple[int, ...], int, int]]
+    data_start: int
+    skeleton: Any
+    head: bytes
+
+    def hasher(self) -> Any:
+        """An xxh64 that has seen every byte before the data area (the manifest's hash is
+        of the whole file)."""
+        h = xxhash.xxh64()
+        h.update(self.head)
+        return h
+
+
+async def open_safetensors(store: Store, ref: BlobRef) -> SafetensorsInfo:
+    """Read and check the header of safetensors blob ``ref`` (its length bounded by the
+    blob's and 64 MiB, JSON, every entry inside the data and none overlapping) by ranged
+    reads; its bytes are not hashed here: a caller trusts them only with the whole-file
+    hash it checks (:func:`verify_blob`)."""
+    size = ref.bytes
+    head = await store.get_range(ref.key, 0, 8)
+    hlen = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 <= hlen <= min(size - 8, 64 << 20):
+        raise InvalidFormat(f"{ref.key}: safetensors header length {hlen} does not fit")
+    raw_header = await store.get_range(ref.key, 8, hlen)
+    try:
+        header = json.loads(raw_header)
+    except ValueError as err:
+        raise InvalidFormat(f"{ref.key}: safetensors header is not JSON ({err})") from None
+    start = 8 + hlen
+    entries = _st_entries(header, size - start, ref.key)
+    meta = header.get("__metadata__") or {}
+    return SafetensorsInfo(entries, start, skeleton_of(meta, ref.key), head + raw_header)
+
+
 def _check_shapes(key: str, live: Mapping[str, torch.Tensor],
                   saved: Iterable[tuple[str, tuple[int, ...]]]) -> None:
     """Every saved tensor the live state also has must have its shape there."""
@@ -856,22 +734,8 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
     pass hashes every byte again as it copies, so a blob that changed in between is caught
     (``ChecksumMismatch``; the live state is then partially overwritten)."""
     size = ref.bytes
-    head = await store.get_range(ref.key, 0, 8)
-    hlen = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if not 0 <= hlen <= min(size - 8, 64 << 20):
-        raise InvalidFormat(f"{ref.key}: safetensors header length {hlen} does not fit")
-    raw_header = await store.get_range(ref.key, 8, hlen)
-    h = xxhash.xxh64()
-    h.update(head)
-    h.update(raw_header)
-    try:
-        header = json.loads(raw_header)
-    except ValueError as err:
-        raise InvalidFormat(f"{ref.key}: safetensors header is not JSON ({err})") from None
-    start = 8 + hlen
-    entries = _st_entries(header, size - start, ref.key)
-    meta = header.get("__metadata__") or {}
-    skeleton = skeleton_of(meta, ref.key)
+    st = await open_safetensors(store, ref)
+    h, start, entries, skeleton = st.hasher(), st.data_start, st.entries, st.skeleton
     _check_shapes(ref.key, live, ((name, shape) for name, _, shape, _, _ in entries))
     if opened is not None:
         await opened()
@@ -887,7 +751,7 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
             tensors[name] = target  # type: ignore[assignment]
         # the live tensors and ``tensors`` keep every destination alive while it is copied to
         outs.append((b, e, view.ctypes.data if view.size else 0))
-    window, depth = window_plan(budget, _threads(pool))
+    window, depth = window_plan(budget, pool_threads(pool))
 
     async def copy(off: int, data: bytes) -> None:
         base = np.frombuffer(data, np.uint8).ctypes.data
@@ -898,8 +762,8 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
             progress.written.append(ref.key)
         await settled(pool, [(copy_batch, (jobs,)), (h.update, (data,))])
 
-    async with _ranges(store, ref.key, pool) as read:
-        await _ordered([(o, min(window, size - o)) for o in range(start, size, window)], read,
+    async with range_reads(store, ref.key, pool) as read:
+        await ordered_reads([(o, min(window, size - o)) for o in range(start, size, window)], read,
                        depth, copy, ref.key)
     mark_written(t for n, t in tensors.items() if live.get(n) is t)
     got = h.hexdigest()

@@ -47,15 +47,14 @@ from mithril_async.pipeline.bases import BaseLoader
 from mithril_async.pipeline.blobs import BlobCodec
 from mithril_async.pipeline.inplace import (
     Progress,
-    apply_pieces,
     decode_into,
     guard_writes,
-    prepare_pieces,
     takes_in_place,
     verify_blob,
 )
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.lossy import merge_lossy, read_lossy_blob, read_lossy_chain
+from mithril_async.pipeline.pieces import open_item, write_item
 from mithril_async.state import unflatten_state
 
 __all__ = ["RESTORE_ERRORS", "DecodedVersion", "VersionReader", "read_tree_file", "read_version"]
@@ -286,7 +285,8 @@ class VersionReader:
         if world_size is not None and reshard is not None:
             plan = self._targets(m, rank, world_size, items, reshard)
             if plan is not None:
-                return await self._reshard(m, rank, items, rng, *plan)
+                return await self._reshard(m, rank, items, rng, *plan, verify=verify,
+                                           progress=progress)
         if world_size is not None:
             _check_world_size(m, model_only, rank, world_size)
         refs: dict[str, BlobRef] = {"model": m.model}
@@ -413,44 +413,49 @@ class VersionReader:
         return {n: v for n, v in out.items() if items is None or n in items}
 
     async def _reshard(self, m: VersionManifest, rank: int, items: Collection[str] | None,
-                       rng: bool, targets: dict[str, dict[str, Any]], resharded: bool
-                       ) -> DecodedVersion:
+                       rng: bool, targets: dict[str, dict[str, Any]], resharded: bool, *,
+                       verify: str, progress: Progress | None = None) -> DecodedVersion:
         """Restore sharded items from their pieces (``resharded``: on another world size or
-        mesh; else the same layout, each rank reading its own pieces): each item's pieces
-        are planned, checked, read and decoded
-        (:func:`~mithril_async.pipeline.inplace.prepare_pieces`), the unsharded model (rank
-        0's) decoded as usual, the RNG/state documents read (every saved rank's for a
-        reshard); only then are the pieces copied into the live local shards, so a damaged
-        or missing piece leaves the live state untouched."""
+        mesh; else the same layout, each rank reading its own pieces): every item's pieces
+        planned, checked and its blobs opened (:func:`~mithril_async.pipeline.pieces.open_item`),
+        the unsharded model (rank 0's) decoded as usual, the RNG/state documents read (every
+        saved rank's for a reshard), all before the first write; then each item's needed
+        chunks are streamed straight into the live local shards
+        (:func:`~mithril_async.pipeline.pieces.write_item`, memory bounded by the budget).
+        Damage found before the first write leaves the live state untouched; after it,
+        :class:`~mithril_async.errors.RestoreIncomplete` (``progress`` names what was
+        written, for the fallback)."""
         load_blob = BaseLoader(self.catalog, self.codec, m.version_id)
         per_rank = self._per_rank_items(m, items)
         trees: dict[str, Any] = {}
+        progress = Progress() if progress is None else progress
 
         async def whole_model() -> None:
             skeleton, tensors = await self.codec.read(self.catalog.store, m.model, load_blob)
             trees["model"] = unflatten_state(skeleton, tensors)
 
         budget = (self.codec.pipe.max_inflight_mib << 20) // max(1, len(targets))
+        store = self.catalog.store
         jobs: list[Coroutine[Any, Any, Any]] = [
-            prepare_pieces(self.codec, self.catalog.store, m.version_id, name,
-                           {s.rank: s for s in per_rank[name]}, tgts, load_blob, budget)
+            open_item(self.codec, store, m.version_id, m.step, name,
+                      {s.rank: s for s in per_rank[name]}, tgts, load_blob, budget, verify)
             for name, tgts in targets.items()]
         if "model" not in per_rank and (items is None or "model" in items):
             jobs.append(whole_model())
-        # everything planned, read, verified and decoded (items and saved ranks
-        # concurrently) before the first byte is written into the live state
-        prepared = (await all_or_first_error(jobs))[:len(targets)]
+        # everything planned, checked and opened (items and saved ranks concurrently)
+        # before the first byte is written into the live state
+        opened = (await all_or_first_error(jobs))[:len(targets)]
         by_rank: dict[int, dict[str, Any]] = {}
         if rng:  # a reshard maps every saved rank's; the same layout takes its own
             keys = m.rng.keys if resharded else [_rank_ref(m, "rng", m.rng.keys, rank)]
             docs = await all_or_first_error([self.read_rng(m, k.rank) for k in keys])
             by_rank = {k.rank: d for k, d in zip(keys, docs, strict=True)}
-        progress = Progress()
         with guard_writes(m.version_id, progress):
-            await apply_pieces(prepared, targets, self.pool, progress)
-        for p in prepared:
-            trees[p.item] = unflatten_state(p.skeleton, {n: t.value for n, t in
-                                                         targets[p.item].items()})
+            await all_or_first_error([write_item(o, store, self.pool, budget, progress)
+                                      for o in opened])
+        for o in opened:
+            trees[o.item] = unflatten_state(o.skeleton, {n: t.value for n, t in
+                                                         targets[o.item].items()})
         return DecodedVersion(m, trees, by_rank.get(rank, {}), frozenset(targets),
                               by_rank if resharded else None)
 

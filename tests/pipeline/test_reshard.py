@@ -196,7 +196,8 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
     from mithril_async.distributed import ShardTarget
     from mithril_async.manifest import PieceMeta, ShardRef
     from mithril_async.pipeline.blobs import BlobCodec, StagedItem
-    from mithril_async.pipeline.inplace import Progress, apply_pieces, prepare_pieces
+    from mithril_async.pipeline.inplace import Progress
+    from mithril_async.pipeline.pieces import open_item, write_item
 
     full = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
     pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -218,11 +219,14 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
         async def no_bases(base: object, names: object) -> dict[str, torch.Tensor]:
             raise AssertionError("these blobs are no deltas")
 
-        prepared = await prepare_pieces(codec, store, "v000001", "model", refs,  # type: ignore[arg-type]
-                                        {"w": target}, no_bases, 1 << 24)
-        assert local.abs().sum() == 0  # nothing written before apply
-        await apply_pieces([prepared], {"model": {"w": target}}, pool, Progress())
-        assert prepared.skeleton == {"D": [["w", {"T": "w"}]]}
+        opened = await open_item(codec, store, "v000001", 1, "model", refs,  # type: ignore[arg-type]
+                                 {"w": target}, no_bases, 1 << 24, "block")
+        assert local.abs().sum() == 0  # nothing written before write_item
+        progress = Progress()
+        await write_item(opened, store, pool, 1 << 24, progress)  # type: ignore[arg-type]
+        assert opened.skeleton == {"D": [["w", {"T": "w"}]]}
+        assert progress.items == {"model"}
+        assert progress.written == ["runs/x/v/model_shard_rank0.bin"]
         return local
 
     try:

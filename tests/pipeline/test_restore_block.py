@@ -271,20 +271,20 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
         await never.wait()
 
     failed = threading.Event()
-    real = inplace.block_from_bytes
+    real = inplace.settled
 
-    def watched(*a: Any, **k: Any) -> Any:
+    async def watched(pool: Any, calls: Any) -> None:
         try:
-            return real(*a, **k)
-        except ChecksumMismatch:
+            await real(pool, calls)
+        except ChecksumMismatch:  # on the loop: the damaged window's task is done now
             failed.set()
             raise
 
     def held_then_refused() -> None:  # a read on a codec thread cannot be cancelled: it
-        assert failed.wait(120)  # waits for the damage to be found, then fails unwritten
+        assert failed.wait(120)  # waits until the damage is reported, then fails unwritten
         raise StorageError(errno.EIO, "held back by the test")
 
-    monkeypatch.setattr(inplace, "block_from_bytes", watched)
+    monkeypatch.setattr(inplace, "settled", watched)
     for other in info.index.values():
         if other.offset != b.offset:
             if isinstance(store, GatedStore):
@@ -294,6 +294,7 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
     with _manager(make_config, tmp_path, state, store) as mgr:
         with pytest.raises(ChecksumMismatch, match="payload"):
             mgr.restore_sync("latest")
+        failed.clear()
         with pytest.raises(VersionNotFound, match="no version at or before v000001"):
             mgr.restore_sync("latest", fallback=True)
     assert state_equal(before, model.state_dict())  # untouched
@@ -336,12 +337,22 @@ def test_range_readers_are_closed_after_every_restore(
                            state, store=LocalStore(tmp_path), runs_prefix="raw") as mgr:
         mgr.save_nowait(1).result()
 
-    def fds() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def fds() -> list[str]:
+        """The files of the runs this process holds open (other tests' objects may close
+        theirs at any time: only these count)."""
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if path.startswith(str(tmp_path)) and path.endswith((".mckp", ".bin", ".safetensors")):
+                out.append(path)
+        return sorted(out)
 
     with _manager(make_config, tmp_path, state) as mgr:
-        mgr.restore_sync("latest")  # warm: the manager's own files are open from here
         before = fds()
+        assert before == []
         for verify in ("block", "whole"):
             assert mgr.restore_sync("latest", verify=verify) == 1
         assert fds() == before
@@ -351,10 +362,8 @@ def test_range_readers_are_closed_after_every_restore(
         assert fds() == before
     with CheckpointManager(make_config(""), state, store=LocalStore(tmp_path),
                            runs_prefix="raw") as mgr:
-        mgr.restore_sync("latest")
-        before = fds()
         assert mgr.restore_sync("latest") == 1
-        assert fds() == before
+        assert fds() == []
 
 
 def test_a_blob_of_another_version_in_its_place_is_caught_before_writing(
