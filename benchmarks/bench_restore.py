@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import shutil
 import statistics
 import sys
@@ -116,14 +117,24 @@ def config(runs: Path, compress: bool) -> Any:
                         f"[checkpointing.compression]\nenabled = {str(compress).lower()}\n")
 
 
-def timed(fn: Callable[[], Any], runs: int) -> tuple[float, int]:
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root only): the next read of a file comes from
+    the disk, as a restore on a node that has just started."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def timed(fn: Callable[[], Any], runs: int, cold: bool = False) -> tuple[float, int]:
     """Median seconds of ``runs`` calls (after one warm-up call) and the largest peak extra
-    RSS among them."""
+    RSS among them; ``cold``: the page cache dropped before each call."""
     fn()
     gc.collect()
     times, peaks = [], []
     for _ in range(runs):
         gc.collect()
+        if cold:
+            drop_page_cache()
         with PeakRSS() as rss:
             t0 = time.perf_counter()
             out = fn()
@@ -350,7 +361,15 @@ def main() -> None:
                     help="only the restores from S3 (moto): verify=block/whole vs a download")
     ap.add_argument("--s3-mib", type=int, default=128)
     ap.add_argument("--s3-server", choices=["moto", "rgw"], default="moto")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before every timed restore (needs root): "
+                         "from the disk, as on a node that has just started")
     args = ap.parse_args()
+    if args.cold:
+        try:
+            drop_page_cache()
+        except OSError as err:
+            ap.error(f"--cold drops the page cache, which needs root: {err}")
     if args.reshard:
         reshard_bench(args.reshard_layers, args.d, args.runs)
         return
@@ -364,7 +383,8 @@ def main() -> None:
     sd = flat(model, moments)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     print(f"state: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB; torch threads "
-          f"{torch.get_num_threads()}; runs {args.runs} (median)")
+          f"{torch.get_num_threads()}; runs {args.runs} (median)"
+          f"{'; page cache dropped before each run' if args.cold else ''}")
     tmp = Path(tempfile.mkdtemp(prefix="bench_restore_"))
     try:
         torch.save(sd, tmp / "state.pt")
@@ -418,7 +438,7 @@ def main() -> None:
         for name, fn in systems.items():
             if only and not any(o in name for o in only):
                 continue
-            results[name] = timed(fn, args.runs)
+            results[name] = timed(fn, args.runs, args.cold)
             s, peak = results[name]
             print(f"  {name:<33} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
                   f"peak extra RSS {peak / 2**20:8.1f} MiB", flush=True)
