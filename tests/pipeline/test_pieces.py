@@ -291,13 +291,12 @@ def test_a_piece_of_another_shape_than_its_manifest_entry_is_refused(tmp_path: P
     codec = _codec(pool)
     store = LocalStore(tmp_path)
     refs = asyncio.run(_save(codec, store, fulls, ROWS2))
-    p = refs[0].pieces["a"]
-    refs[0] = refs[0].model_copy(update={"pieces": {"a": p.model_copy(
-        update={"lengths": [24, 40], "offsets": [0, 0]})}})
+    # rank 1's entry claims rows [24, 96): it alone covers the rows [48, 96) needed
     refs[1] = refs[1].model_copy(update={"pieces": {"a": refs[1].pieces["a"].model_copy(
         update={"lengths": [72, 40], "offsets": [24, 0]})}})
-    targets = _targets(fulls, ROWS2[0])
-    with pytest.raises(InvalidFormat, match=r"rank 0's tensor 'a' is float32\[48, 40\]"):
+    targets = _targets(fulls, ROWS2[1])
+    with pytest.raises(InvalidFormat, match=r"rank 1's tensor 'a' is float32\[48, 40\], "
+                                            r"its manifest entry says float32\[72, 40\]"):
         asyncio.run(_restore(codec, store, refs, targets, pool))
     assert bool((targets["a"].local == -7.0).all())
 
