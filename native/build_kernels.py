@@ -15,22 +15,11 @@ from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-CDEF = """
-int mk_detect_level(void);
-int mk_get_level(void);
-int mk_set_level(int level);
-void mk_xor(const uint8_t *a, const uint8_t *b, uint8_t *dst, size_t len);
-void mk_copy_stream(const uint8_t *src, uint8_t *dst, size_t len);
-void mk_copy_batch(const uintptr_t *src, const uintptr_t *dst, const size_t *len, size_t n,
-                   size_t stream_min);
-int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
-int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width);
-int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
-int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind);
-int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_t *base,
-                      uint8_t *dst, size_t len, int width, int kind);
-void mk_spin_ns(uint64_t ns);
-"""
+sys.path.insert(0, _HERE)  # run by cffi's setuptools hook as a file, not a module
+from headers import declarations  # noqa: E402
+
+#: what cffi binds: the declarations of the header(s), never a copy of them
+CDEF = declarations(os.path.join(_HERE, "kernels.h"))
 
 
 def _compile_args() -> list[str]:

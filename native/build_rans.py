@@ -24,42 +24,11 @@ from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-CDEF = """
-void mr_histogram(const uint8_t *src, size_t n, uint32_t *hist);
-double mr_sample_entropy(const uint8_t *src, size_t n, size_t max_sample);
-size_t mr_encode_bound(size_t n);
-int64_t mr_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
-int mr_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
-size_t mr2_encode_bound(size_t n);
-size_t mr2_encode_cap(size_t n, size_t limit);
-int64_t mr2_encode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap, size_t limit);
-int mr2_decode(const uint8_t *src, size_t len, uint8_t *dst, size_t n);
-int mr_set_level(int level);
-int mc_set_env(uintptr_t xxh3, uintptr_t zinit, uintptr_t zdeflate, uintptr_t zreset,
-               uintptr_t zend, const char *zversion);
-int mc_ready(void);
-int mc_set_zstd(uintptr_t create, uintptr_t free_, uintptr_t setp, uintptr_t compress2,
-                uintptr_t iserr);
-size_t mc_arena_cap(const uint64_t *sizes, int nplanes);
-int64_t mc_encode_planes(const uint8_t *raw, size_t raw_size, uint8_t *planes,
-                         const uint64_t *sizes, int nplanes, double raw_bits,
-                         double huff_min_bits, double min_gain, int level, uint8_t *arena,
-                         size_t cap, uint8_t *dst, uint8_t *methods, uint64_t *lens,
-                         uint64_t *hashes);
-int mc_set_decoder(uintptr_t xxh3, uintptr_t ungroup_planes);
-int mc_decoder_ready(void);
-int mc_decode_chunk(const uint8_t *payload, size_t plen, const uint8_t *methods,
-                    const uint64_t *lens, int nplanes, int width, int kind,
-                    const uint8_t *base, uint8_t *scratch, size_t scap, uint8_t *dst,
-                    size_t raw_size, const uint64_t *want, int check_payload, uint64_t *got,
-                    int *bad);
-size_t mc_batch_cap(const uint64_t *sizes, const int32_t *nplanes, size_t nchunks);
-int64_t mc_encode_batch(size_t nchunks, const uintptr_t *raws, const uint64_t *raw_sizes,
-                        uint8_t *planes, const uint64_t *sizes, const int32_t *nplanes,
-                        double raw_bits, double huff_min_bits, double min_gain, int level,
-                        uint8_t *arena, size_t cap, uint8_t *methods, uint64_t *lens,
-                        uint64_t *hashes, uint64_t *stored);
-"""
+sys.path.insert(0, _HERE)  # run by cffi's setuptools hook as a file, not a module
+from headers import declarations  # noqa: E402
+
+#: what cffi binds: the declarations of the header(s), never a copy of them
+CDEF = declarations(os.path.join(_HERE, "rans.h"), os.path.join(_HERE, "chunkenc.h"))
 
 
 def make_builder(absolute_paths: bool = False) -> FFI:
