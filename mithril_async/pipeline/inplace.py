@@ -91,10 +91,11 @@ from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.storage.base import RangeReader, Store, open_range_reader
 
 __all__ = ["CudaCopier", "HostCopier", "Progress", "SafetensorsInfo", "StagingRing",
-           "check_binding", "check_tiling", "checked_read", "copier_for", "decode_blocks",
-           "decode_into", "guard_writes", "inplace_view", "mark_written", "open_mckp",
-           "open_safetensors", "ordered_reads", "pool_threads", "range_reads", "settled",
-           "stageable", "takes_in_place", "verify_blob", "window_plan"]
+           "check_binding", "check_tiling", "checked_read", "copier_for",
+           "copy_data_rehashed", "decode_blocks", "decode_into", "guard_writes",
+           "inplace_view", "mark_written", "open_mckp", "open_safetensors", "ordered_reads",
+           "pool_threads", "range_reads", "settled", "stageable", "takes_in_place",
+           "verify_blob", "window_plan"]
 
 
 @dataclass
@@ -537,7 +538,7 @@ def _remote(store: Store) -> int:
 
 @contextlib.asynccontextmanager
 async def range_reads(store: Store, key: str, pool: Any
-                  ) -> AsyncIterator[Callable[[int, int], Awaitable[bytes]]]:
+                      ) -> AsyncIterator[Callable[[int, int], Awaitable[bytes]]]:
     """``read(offset, length)`` of blob ``key``: on ``pool`` through one open file where the
     store offers it (:func:`~mithril_async.storage.base.open_range_reader`), else the store's
     ``get_range``."""
@@ -553,7 +554,7 @@ async def range_reads(store: Store, key: str, pool: Any
 
 
 async def ordered_reads(spans: list[tuple[int, int]], read: Any, depth: int,
-                   process: Any, where: str) -> None:
+                        process: Any, where: str) -> None:
     """Read ``spans`` with up to ``depth`` reads in flight and ``await process(off, data)``
     for each, in order (a streamed hash needs the bytes in order)."""
     pending: collections.deque[tuple[int, int, asyncio.Future[bytes]]] = collections.deque()
@@ -596,8 +597,8 @@ async def verify_blob(store: Store, ref: BlobRef, pool: Any, budget: int) -> Non
         await loop.run_in_executor(pool, h.update, data)
 
     async with range_reads(store, ref.key, pool) as read:
-        await ordered_reads([(o, min(window, size - o)) for o in range(0, size, window)], read,
-                       depth, update, ref.key)
+        await ordered_reads([(o, min(window, size - o)) for o in range(0, size, window)],
+                            read, depth, update, ref.key)
     got = h.hexdigest()
     if got != ref.xxh64:
         raise ChecksumMismatch(ref.key, ref.xxh64, got)
@@ -733,9 +734,8 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
     the whole: the caller has checked it (:func:`verify_blob`) before this pass, and this
     pass hashes every byte again as it copies, so a blob that changed in between is caught
     (``ChecksumMismatch``; the live state is then partially overwritten)."""
-    size = ref.bytes
     st = await open_safetensors(store, ref)
-    h, start, entries, skeleton = st.hasher(), st.data_start, st.entries, st.skeleton
+    start, entries, skeleton = st.data_start, st.entries, st.skeleton
     _check_shapes(ref.key, live, ((name, shape) for name, _, shape, _, _ in entries))
     if opened is not None:
         await opened()
@@ -751,25 +751,41 @@ async def _decode_safetensors_into(store: Store, ref: BlobRef,
             tensors[name] = target  # type: ignore[assignment]
         # the live tensors and ``tensors`` keep every destination alive while it is copied to
         outs.append((b, e, view.ctypes.data if view.size else 0))
-    window, depth = window_plan(budget, pool_threads(pool))
 
-    async def copy(off: int, data: bytes) -> None:
+    def copy(off: int, data: bytes) -> None:  # one window at a time, on a pool thread
         base = np.frombuffer(data, np.uint8).ctypes.data
         w0, w1 = off - start, off - start + len(data)
         jobs = [(base + max(b, w0) - w0, dst + max(b, w0) - b, min(e, w1) - max(b, w0))
                 for b, e, dst in outs if b < w1 and e > w0 and dst]
-        if not progress.written or progress.written[-1] != ref.key:
+        if ref.key not in progress.written:
             progress.written.append(ref.key)
-        await settled(pool, [(copy_batch, (jobs,)), (h.update, (data,))])
+        copy_batch(jobs)
+
+    await copy_data_rehashed(store, ref, pool, budget, st, copy)
+    mark_written(t for n, t in tensors.items() if live.get(n) is t)
+    return skeleton, tensors
+
+
+async def copy_data_rehashed(store: Store, ref: BlobRef, pool: Any, budget: int,
+                             st: SafetensorsInfo, copy: Callable[[int, bytes], None]) -> None:
+    """The second pass over a safetensors blob verified whole before: its data area read
+    again in order, window by window, ``copy(offset, window)`` run on ``pool`` beside the
+    window's hash (every byte hashed again, with the head), so a blob that changed since the
+    verifying pass is :class:`ChecksumMismatch` ("changed while it was restored")."""
+    h = st.hasher()
+    size = ref.bytes
+    window, depth = window_plan(budget, pool_threads(pool))
+
+    async def process(off: int, data: bytes) -> None:
+        await settled(pool, [(copy, (off, data)), (h.update, (data,))])
 
     async with range_reads(store, ref.key, pool) as read:
-        await ordered_reads([(o, min(window, size - o)) for o in range(start, size, window)], read,
-                       depth, copy, ref.key)
-    mark_written(t for n, t in tensors.items() if live.get(n) is t)
+        await ordered_reads([(o, min(window, size - o))
+                             for o in range(st.data_start, size, window)],
+                            read, depth, process, ref.key)
     got = h.hexdigest()
     if got != ref.xxh64:
         raise ChecksumMismatch(f"{ref.key} (changed while it was restored)", ref.xxh64, got)
-    return skeleton, tensors
 
 
 def _windows(blocks: list[BlockRef], window: int) -> list[tuple[tuple[int, int], list[BlockRef]]]:

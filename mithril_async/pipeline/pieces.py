@@ -46,7 +46,6 @@ import torch
 from mithril_async.codec.container import BlockRef, MckpInfo
 from mithril_async.codec.kernels import copy_arrays
 from mithril_async.errors import (
-    ChecksumMismatch,
     InvalidFormat,
     KeyNotFound,
     MissingPrevious,
@@ -59,17 +58,14 @@ from mithril_async.pipeline.inplace import (
     SafetensorsInfo,
     check_binding,
     check_tiling,
+    copy_data_rehashed,
     decode_blocks,
     mark_written,
     open_mckp,
     open_safetensors,
-    ordered_reads,
-    pool_threads,
-    range_reads,
     settled,
     takes_in_place,
     verify_blob,
-    window_plan,
 )
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.reshard import Box, SavedPiece, copy_runs, plan_reads
@@ -322,14 +318,11 @@ async def _write_mckp(src: _Source, info: MckpInfo, store: Store, pool: Any, bud
 
 async def _write_safetensors(src: _Source, st: SafetensorsInfo, store: Store, pool: Any,
                              budget: int, started: Any) -> None:
-    """Read an uncompressed piece again in order, hashing every byte, and copy each needed
-    tensor's runs out of the windows; a blob whose hash differs now from its verifying pass
-    is :class:`ChecksumMismatch` ("changed while it was restored")."""
-    h = st.hasher()
+    """Read an uncompressed piece again in order, hashing every byte
+    (:func:`~mithril_async.pipeline.inplace.copy_data_rehashed`), and copy each needed
+    tensor's runs out of the windows."""
     ranges = [(st.data_start + b, st.data_start + e, src.runs[name])
               for name, _dtype, _shape, b, e in st.entries if name in src.runs]
-    window, depth = window_plan(budget, pool_threads(pool))
-    size = src.ref.bytes
 
     def copy(off: int, data: bytes) -> None:
         buf = np.frombuffer(data, np.uint8)
@@ -340,14 +333,4 @@ async def _write_safetensors(src: _Source, st: SafetensorsInfo, store: Store, po
                 started()
                 runs.copy_from(lo - b, buf[lo - off:hi - off])
 
-    async def process(off: int, data: bytes) -> None:
-        await settled(pool, [(copy, (off, data)), (h.update, (data,))])
-
-    async with range_reads(store, src.ref.key, pool) as read:
-        await ordered_reads([(o, min(window, size - o))
-                             for o in range(st.data_start, size, window)],
-                            read, depth, process, src.ref.key)
-    got = h.hexdigest()
-    if got != src.ref.xxh64:
-        raise ChecksumMismatch(f"{src.ref.key} (changed while it was restored)", src.ref.xxh64,
-                               got)
+    await copy_data_rehashed(store, src.ref, pool, budget, st, copy)
