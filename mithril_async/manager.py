@@ -52,6 +52,7 @@ from mithril_async.pipeline.overlap import StepGuard, optimizers_in
 from mithril_async.pipeline.reader import DecodedVersion, VersionReader
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.pipeline.save import SaveContext, SaveJob
+from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
 from mithril_async.state import (
     JsonStateful,
@@ -504,13 +505,15 @@ class CheckpointManager:
 
     def _in_place_targets(self, item: str) -> Mapping[str, Any] | None:
         """The live tensors of a (not sharded) item by stored name, to decode straight into:
-        a module's state_dict() and an optimizer's hold the live tensors themselves."""
+        those of its state_dict() proven to share storage with its live parameters, buffers
+        or optimizer state (a state dict may hold copies: those are decoded into fresh
+        tensors and loaded)."""
         obj = self.state.get(item)
         if not isinstance(obj, Stateful) or hasattr(obj, "reshard_targets"):
             return None
         if item == "optimizer" and not self.cfg.resume_optimizer:
             return None
-        return flatten_state(obj.state_dict())[1]
+        return live_targets(obj, flatten_state(obj.state_dict())[1])
 
     def _reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
         """Where a restore from pieces writes ``item`` on this rank (sharded items only)."""
@@ -556,7 +559,7 @@ class CheckpointManager:
                 if name not in trees:
                     raise VersionNotFound(f"{m.version_id} has no state for {name!r}")
                 if name in decoded.in_place and isinstance(obj, torch.nn.Module) \
-                        and _same_keys(obj, trees[name]):
+                        and loaded_in_place(obj, trees[name]):
                     continue  # every tensor was decoded into the module's own: nothing to load
                 obj.load_state_dict(trees[name])
             elif resharded and load == "all":
@@ -590,12 +593,6 @@ class CheckpointManager:
                         "resume (%s)", m.version_id, m.world_size, self.world_size,
                         "; ".join(notes) or "sharded state remapped")
         return RestoreResult(m.step, report)
-
-
-def _same_keys(module: Any, tree: Any) -> bool:
-    """Whether a decoded module state has exactly the module's keys (what a strict
-    load_state_dict would check), so skipping the load skips no error."""
-    return isinstance(tree, dict) and set(tree) == set(module.state_dict())
 
 
 #: ``on_reshard(states_by_rank, new_rank, new_world) -> state``: a data-loader state for this

@@ -255,6 +255,14 @@ class VersionReader:
                 log.warning("fallback: %s does not verify either (after writing %s): %s",
                             m.version_id, ", ".join(sorted(again.items)), err)
                 continue
+            except Exception as err:
+                if not touched:
+                    raise
+                raise RestoreIncomplete(
+                    f"restore of {bad_vid} failed after writing into the live state "
+                    f"({', '.join(sorted(touched))}) and the fallback to the older "
+                    f"{m.version_id} failed too ({type(err).__name__}: {err}): the live "
+                    f"state is partially overwritten; first error: {first_err}") from err
             if touched:
                 missing = sorted(touched - set(out.trees))
                 if missing:

@@ -27,7 +27,13 @@ import mithril_async.pipeline.inplace as inplace
 import mithril_async.pipeline.reader as reader
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, ConfigError, parse_config
 from mithril_async.codec.container import BlockRef, parse_blob
-from mithril_async.errors import InvalidFormat, RestoreIncomplete, StorageError, VersionNotFound
+from mithril_async.errors import (
+    InvalidFormat,
+    RestoreIncomplete,
+    ShapeMismatch,
+    StorageError,
+    VersionNotFound,
+)
 from mithril_async.storage import local as local_mod
 from mithril_async.storage.local import LocalStore
 from tests.manager.conftest import Batcher, TinyNet, state_equal, train_step
@@ -465,6 +471,32 @@ def test_no_fallback_to_a_version_that_cannot_write_over_all_that_was_touched(
         mgr.restore_sync("latest", fallback=True)
     assert "partially overwritten" in str(err.value)
     assert isinstance(err.value.__cause__, RestoreIncomplete)
+
+
+def test_any_error_of_the_fallback_after_a_partial_overwrite_is_restore_incomplete(
+        tmp_path: Path, make_config: Callable[..., Config],
+        monkeypatch: pytest.MonkeyPatch,
+        gated: GatedStore | GatedReaderStore) -> None:
+    """v1 was saved by a model of other shapes; v2's model blob is damaged after some of
+    its blocks were written: the fallback to v1 fails with a ShapeMismatch (not a damage
+    error), and the live state is partially overwritten, so that is RestoreIncomplete too,
+    never the bare error of the older version."""
+    torch.manual_seed(0)
+    small = TinyNet(d=16)
+    with _manager(make_config, tmp_path, {"model": small}) as mgr:
+        mgr.save_nowait(1).result()
+    model, opt, state = _state(optimizer=False)
+    with _manager(make_config, tmp_path, state) as mgr:
+        mgr.save_nowait(2).result()
+    train_step(model, opt, Batcher())
+    key, path = _model_blob(tmp_path, 2)
+    b, info = _damage(path, "last")
+    _hold_until_others_decoded(gated, key, b, info, monkeypatch)
+    with (_manager(make_config, tmp_path, state, gated) as mgr,
+          pytest.raises(RestoreIncomplete, match="partially overwritten") as err):
+        mgr.restore_sync("latest", fallback=True)
+    assert isinstance(err.value.__cause__, ShapeMismatch)
+    assert "v000001" in str(err.value)
 
 
 def test_window_plan_fits_the_budget_locally_and_over_a_network() -> None:
