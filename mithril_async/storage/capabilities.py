@@ -1,0 +1,80 @@
+"""Optional store capabilities, declared as protocols and checked with ``isinstance``.
+
+The :class:`~mithril_async.storage.base.Store` protocol is what every store implements. Some
+stores can do more, and the pipeline uses that where it helps: a local folder root the run
+records, blocking ranged reads on a worker thread, private files, reads across a network
+(which change how a restore reads), a bounded request concurrency. Each is a small
+runtime-checkable protocol here, so a store declares what it offers by having the attribute
+or method, and callers ask with ``isinstance`` instead of guessing with ``getattr``; a
+store written against the plain protocol (a user's, a test's) keeps working without them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from mithril_async.storage.base import RangeReader
+
+__all__ = ["BoundedConcurrency", "HasLocalRoot", "PrivateWrites", "RangeReading",
+           "RemoteReads", "local_root", "read_concurrency"]
+
+
+@runtime_checkable
+class HasLocalRoot(Protocol):
+    """A store over a local folder (or with one as its primary side): the folder's path,
+    recorded in the run's ``run.json``; None where a wrapper has no local side."""
+
+    @property
+    def root(self) -> object: ...
+
+
+@runtime_checkable
+class RangeReading(Protocol):
+    """A store that opens one value for many blocking ranged reads on the caller's thread
+    (a restore reads and decodes a window in one pool task). ``open_range_reader`` may
+    return None when this instance cannot (then the caller reads with ``get_range``)."""
+
+    async def open_range_reader(self, key: str) -> RangeReader | None: ...
+
+
+@runtime_checkable
+class PrivateWrites(Protocol):
+    """A store that can write a value only its owner may read (``put_private``)."""
+
+    async def put_private(self, key: str, data: bytes | memoryview) -> None: ...
+
+
+@runtime_checkable
+class RemoteReads(Protocol):
+    """A store whose reads cross a network (S3): a second read of every byte costs more
+    than the memory a one-pass decode into fresh tensors takes, and larger concurrent
+    ranged reads pay. ``remote_reads`` is True for such a store."""
+
+    remote_reads: bool
+
+
+@runtime_checkable
+class BoundedConcurrency(Protocol):
+    """A store that serves at most ``max_concurrency`` requests at once."""
+
+    max_concurrency: int
+
+
+def local_root(store: object) -> str | None:
+    """The local folder a store writes into, as text; None for a store without one."""
+    if not isinstance(store, HasLocalRoot):
+        return None
+    root = store.root
+    return None if root is None else str(root)
+
+
+def read_concurrency(store: object) -> int:
+    """How many ranged reads a restore keeps in flight against ``store``: its request
+    concurrency when its reads cross a network, 0 for a local store (the codec threads
+    decide there)."""
+    if not (isinstance(store, RemoteReads) and store.remote_reads):
+        return 0
+    if isinstance(store, BoundedConcurrency):
+        return max(1, int(store.max_concurrency or 8))
+    return 8
