@@ -26,6 +26,8 @@ from mithril_async.claims import (
     CLAIM_STALE_S,
     Claim,
     claim_doc_stale,
+    claim_token,
+    describe_claim,
     owner_identity,
     process_start,
 )
@@ -149,9 +151,7 @@ class RunCatalog:
         listed (``list_dir``), not every blob key of the run; a number taken meanwhile just
         moves the claim on."""
         n = max(await self._folder_numbers(), default=0) + 1
-        now = time.time()
-        doc = {**owner_identity(), "start": process_start(os.getpid()),
-               "token": secrets.token_hex(16), "t": now, "hb": now, "bases": sorted(set(bases))}
+        doc = _new_claim(bases)
         data = json.dumps(doc).encode()
         for _ in range(1000):
             if await self.store.list_incomplete(self.layout.version_dir(n) + "/"):
@@ -230,13 +230,15 @@ class RunCatalog:
 
     async def unfinished(self, *, stale_after_s: float | None = None,
                          numbers: dict[int, bool] | None = None
-                         ) -> tuple[list[int], dict[int, dict[str, Any]]]:
+                         ) -> tuple[dict[int, dict[str, Any] | None], dict[int, dict[str, Any]]]:
         """(abandoned, live) unfinished versions: version folders without a manifest, split
-        by whether their claim is stale; live ones map to their claim. ``numbers``: what
-        :meth:`version_numbers` returned, if the caller has just listed it."""
+        by whether their claim is stale, each mapped to its claim as read (None: none, or not
+        a JSON object); :meth:`remove_unfinished` takes the abandoned one's
+        :func:`~mithril_async.claims.claim_token`. ``numbers``: what :meth:`version_numbers`
+        returned, if the caller has just listed it."""
         bound = self._stale_bound(stale_after_s)
         me = owner_identity()
-        stale: list[int] = []
+        stale: dict[int, dict[str, Any] | None] = {}
         live: dict[int, dict[str, Any]] = {}
         if numbers is None:
             numbers = await self.version_numbers()
@@ -245,7 +247,7 @@ class RunCatalog:
                 continue
             doc = await self.read_claim(n)
             if doc is None or claim_doc_stale(doc, bound, me=me):
-                stale.append(n)
+                stale[n] = doc
             else:
                 live[n] = doc
         return stale, live
@@ -319,9 +321,12 @@ class RunCatalog:
         numbers = await self.version_numbers()
         stale, live = await self.unfinished(stale_after_s=stale_after_s, numbers=numbers)
         removed = []
-        for n in stale:
-            await self.remove_unfinished(n)
-            removed.append(self.layout.version_dir(n))
+        for n, doc in stale.items():
+            why = await self.remove_unfinished(n, claim_token(doc), stale_after_s=stale_after_s)
+            if why is None:
+                removed.append(self.layout.version_dir(n))
+            else:
+                log.info("left %s alone: %s", self.layout.version_dir(n), why)
         removed += await self._clean_leftovers(numbers, skip=set(stale) | set(live),
                                                orphan_age_s=orphan_age_s)
         await self.store.cleanup_incomplete(
@@ -336,9 +341,10 @@ class RunCatalog:
         a claim (the claim of a writer killed while its folder was removed, or that lost its
         claim); return those folders.
 
-        A claimless folder is reserved with a claim of our own first (a writer may claim
-        the number meanwhile: then it is its folder and stays untouched; with ours in place
-        nobody can, and :meth:`claim` never reuses a folder holding leftovers anyway). A
+        A claimless folder is reserved with a claim of our own first (:meth:`remove_unfinished`:
+        a writer may claim the number meanwhile: then it is its folder and stays untouched;
+        with ours in place nobody can, and :meth:`claim` never reuses a folder holding
+        leftovers anyway). A
         ``_claim.json`` temp younger than ``orphan_age_s`` stays: it may be another
         writer's claim a moment before it is linked."""
         prefix = self.layout.versions_prefix
@@ -368,39 +374,91 @@ class RunCatalog:
                 continue
             if young_claim_temp or await self.read_claim(n) is not None:
                 continue  # claimed since the listing (or about to be): not ours to clean
-            try:
-                mine = await self.claim_number(n)
-            except KeyExists:
-                continue
-            try:
-                await self.remove_unfinished(n, keep=self.layout.claim_key(n))
-            finally:
-                await asyncio.shield(self._drop_claim(n, mine))
-            out.append(folder.rstrip("/"))
+            if await self.remove_unfinished(n, None) is None:
+                out.append(folder.rstrip("/"))
         return out
 
     async def claim_number(self, n: int) -> bytes:
         """Claim version number ``n`` itself (``KeyExists`` if taken) and return the claim's
         bytes: how cleanup reserves a claimless folder before it empties it."""
-        now = time.time()
-        data = json.dumps({**owner_identity(), "start": process_start(os.getpid()),
-                           "token": secrets.token_hex(16), "t": now, "hb": now,
-                           "bases": []}).encode()
+        data = json.dumps(_new_claim()).encode()
         await self.store.put_if_absent(self.layout.claim_key(n), data)
         return data
 
-    async def remove_unfinished(self, n: int, *, keep: str | None = None) -> None:
-        """Remove everything of unfinished version ``n`` (its temp files and uploads, its
-        files, its claim last): only for one whose claim is abandoned (:meth:`unfinished`).
-        The claim goes last, so a removal killed half-way leaves a folder that is still
-        claimed by a dead writer (removed at the next start), never a claimless folder of
-        leftovers. ``keep``: a key left in place (the cleaner's own claim)."""
+    async def remove_unfinished(self, n: int, token: str | None, *,
+                                stale_after_s: float | None = None) -> str | None:
+        """Remove abandoned unfinished version ``n`` (its temp files and uploads, its files,
+        its claim last); return None once removed, else why the folder was left alone.
+
+        ``token``: the owner token of the claim that made the folder abandoned
+        (:func:`~mithril_async.claims.claim_token` of what :meth:`unfinished` read; None for a
+        folder without a writer's claim). That judgement may be old (``mithril gc`` plans,
+        then applies): meanwhile another process may have emptied the folder, claimed the
+        number again and committed a new version there. So the folder is taken over first
+        (:meth:`_take_over`): its claim, read again, must still carry ``token`` and still be
+        abandoned (``stale_after_s``), and is replaced by one of this process's with a
+        compare-and-swap write (a folder without a claim is reserved with ``put_if_absent``).
+        Then no writer can claim the number, no other cleaner can take the folder, and a
+        writer that still thinks it owns it fails its commit (``ClaimLost``). A folder holding
+        a manifest is a committed version: refused before the take-over, and after it (the
+        former claim is put back: a writer that had passed its claim check may have
+        published). The cleaner's claim goes last, so a removal killed half-way leaves a
+        claimed folder (removed at a later start), never a claimless folder of leftovers."""
         folder = self.layout.version_dir(n) + "/"
         claim = self.layout.claim_key(n)
-        await self.store.cleanup_incomplete(folder)
-        keys = [k for k in await self.store.list(folder) if k != keep]
-        for key in sorted(keys, key=lambda k: k == claim):
-            await self.store.delete(key)
+        manifest = self.layout.manifest_key(n)
+        if await self.store.exists(manifest):
+            return "committed since it was judged abandoned"
+        held = await self._take_over(n, token, self._stale_bound(stale_after_s))
+        if isinstance(held, str):
+            return held
+        mine, tag, former = held
+        committed = False
+        try:
+            committed = await self.store.exists(manifest)
+            if committed:
+                return "committed while it was being taken over"
+            await self.store.cleanup_incomplete(folder)
+            for key in await self.store.list(folder):
+                if key != claim:
+                    await self.store.delete(key)
+        finally:
+            if committed and former is not None and tag is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.store.put_if_match(claim, former, tag))
+            else:
+                await asyncio.shield(self._drop_claim(n, mine))
+        return None
+
+    async def _take_over(self, n: int, token: str | None, bound: float
+                         ) -> tuple[bytes, str | None, bytes | None] | str:
+        """Replace version ``n``'s claim, still the one with ``token`` and still abandoned
+        (or still absent, for ``token`` None), by a claim of this process's: return (its
+        bytes, its tag or None when it was created, the former claim's bytes or None), or why
+        the folder must be left alone (another claim, a live one, one changed meanwhile)."""
+        key = self.layout.claim_key(n)
+        taken = "claimed by another process since it was judged abandoned"
+        try:
+            await self.get_metadata(key, size_only=True)
+            former: bytes | None
+            former, etag = await self.store.get_with_etag(key)
+        except KeyNotFound:
+            former, etag = None, None
+        except InvalidFormat as err:  # an implausibly large claim file: never a writer's
+            return f"claim unreadable: {err}"
+        doc = _parse_claim(former)
+        if claim_token(doc) != token:
+            return taken
+        if former is not None and not claim_doc_stale(doc, bound):
+            return f"its claim is live again: {describe_claim(doc)}"
+        mine = json.dumps(_new_claim()).encode()
+        try:
+            if etag is None:
+                await self.store.put_if_absent(key, mine)
+                return mine, None, None
+            return mine, await self.store.put_if_match(key, mine, etag), former
+        except (KeyExists, PreconditionFailed):
+            return taken
 
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a
@@ -620,6 +678,23 @@ class RunCatalog:
         if not self.layout.owns(key) or not await self.store.exists(key):
             raise VersionNotFound(f"run {self.layout.run_id}: no committed version {target!r}")
         return key
+
+
+def _new_claim(bases: Iterable[str] = ()) -> dict[str, Any]:
+    """A claim document of this process: its identity, a fresh token, the time, ``bases``."""
+    now = time.time()
+    return {**owner_identity(), "start": process_start(os.getpid()),
+            "token": secrets.token_hex(16), "t": now, "hb": now, "bases": sorted(set(bases))}
+
+
+def _parse_claim(data: bytes | None) -> object:
+    """A claim file's parsed JSON; None where there is none or it is not JSON."""
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
 def _claim_leftover(key: str) -> bool:

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLAIM_STALE_S", "MAX_HEARTBEAT_S", "Claim", "claim_doc_stale", "describe_claim",
-           "heartbeat_interval", "owner_identity", "process_start"]
+__all__ = ["CLAIM_STALE_S", "MAX_HEARTBEAT_S", "Claim", "claim_doc_stale", "claim_token",
+           "describe_claim", "heartbeat_interval", "owner_identity", "process_start"]
 
 #: an unfinished version whose claim's heartbeat is older than this is abandoned and may be
 #: cleaned (the default of ``[checkpointing.pipeline] claim_stale_s``)
@@ -94,6 +94,15 @@ def claim_doc_stale(doc: object, stale_after_s: float, *, now: float | None = No
         if not _pid_alive(pid, start):
             return True
     return (time.time() if now is None else now) - beat > stale_after_s
+
+
+def claim_token(doc: object) -> str | None:
+    """The owner token of a parsed claim; None for no claim, garbage or a claim without one.
+
+    A writer's claim always carries a token (it is written whole, atomically), so None names
+    only what no writer owns: a missing claim or one that is not a writer's."""
+    token = doc.get("token") if isinstance(doc, dict) else None
+    return token if isinstance(token, str) else None
 
 
 def describe_claim(doc: object, *, now: float | None = None) -> str:

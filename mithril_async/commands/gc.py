@@ -9,6 +9,12 @@ every delta base of a kept version and every base a live save names are always k
 A live save (fresh claim) is never touched, nor a temp file younger than --orphan-age
 (another process may be writing it). ``--dry-run`` lists what would go and how many bytes
 that frees, and what is skipped and why, and changes nothing.
+
+What is planned is looked at again right before it is removed, since a job may share the
+run meanwhile: an unfinished folder goes only while its claim is still the abandoned one the
+plan saw (or it still has none) and it holds no manifest; orphans only while their version's
+manifest still leaves them out; a version only while it is still the one planned. Anything
+changed since is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
                    ) -> list[dict[str, Any]]:
     """What gc would do in one run: [{kind, what, keys, bytes}], and [{kind: "skip", what,
     why}] for what it leaves alone. Kinds: unfinished, orphan, incomplete, retention, skip."""
-    from mithril_async.claims import describe_claim
+    from mithril_async.claims import claim_token, describe_claim
     from mithril_async.manifest import version_number
     from mithril_async.retention import from_options, plan_deletions
     from mithril_async.storage.base import key_in_prefix
@@ -71,9 +77,9 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
     out: list[dict[str, Any]] = []
     numbers = await cat.version_numbers()
     stale, live = await cat.unfinished(numbers=numbers)
-    for n in stale:
-        out.append({"kind": "unfinished", "what": lay.version_dir(n),
-                    "keys": await store.list(lay.version_dir(n) + "/")})
+    for n, doc in stale.items():
+        out.append({"kind": "unfinished", "what": lay.version_dir(n), "claim_token":
+                    claim_token(doc), "keys": await store.list(lay.version_dir(n) + "/")})
     for n, doc in live.items():
         out.append({"kind": "skip", "what": lay.version_dir(n), "keys": [], "live": True,
                     "why": f"live save: {describe_claim(doc)}"})
@@ -104,30 +110,63 @@ async def plan_run(target: Target, run_id: str, args: argparse.Namespace
                           keep_every_n_steps=args.keep_every)
     for v in await plan_deletions(cat, policy):
         keys = await store.list(lay.version_dir(version_number(v.version_id)) + "/")
-        out.append({"kind": "retention", "what": v.version_id, "keys": keys})
+        out.append({"kind": "retention", "what": v.version_id, "keys": keys,
+                    "step": v.step, "created_at": v.created_at.isoformat()})
     for item in out:
         item["bytes"] = sum([await _size(store, k) for k in item["keys"]])
     return out
 
 
+async def _still_planned(cat: Any, item: dict[str, Any]) -> str | None:
+    """Why a planned removal of a committed version's files must be left alone now (None:
+    go ahead): the version was deleted since (its number may be claimed again), replaced by
+    another version under its number, or its manifest now names a planned orphan."""
+    from mithril_async.errors import InvalidFormat, KeyNotFound
+    from mithril_async.manifest import version_number
+
+    n = version_number(item["what"].rsplit("/", 1)[-1])
+    try:
+        m = await cat.read_manifest(cat.layout.manifest_key(n))
+    except (KeyNotFound, InvalidFormat) as err:
+        return f"its manifest changed since gc looked ({type(err).__name__})"
+    if item["kind"] == "retention" and (m.step, m.created_at.isoformat()) != (
+            item["step"], item["created_at"]):
+        return f"another version was committed as {m.version_id} since gc looked"
+    if item["kind"] == "orphan" and set(item["keys"]) & set(m.all_keys()):
+        return "its manifest names these files now"
+    return None
+
+
 async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
                     args: argparse.Namespace) -> None:
     """Carry out ``plan``; leftovers of unfinished writes go by the same rules it was made
-    with (a gone writer's whatever their age, a live save's never, others by age)."""
+    with (a gone writer's whatever their age, a live save's never, others by age). Each
+    removal first checks that what it removes is still what was planned (see the module
+    doc); an item left alone becomes a ``skip`` saying why."""
     from mithril_async.manifest import version_number
 
     cat = target.catalog(run_id)
     lay = cat.layout
-    live = [i["what"] + "/" for i in plan if i.get("live")]
     for item in plan:
+        why = None
         if item["kind"] == "retention":
-            await cat.delete_version(item["what"])
+            why = await _still_planned(cat, item)
+            if why is None:
+                await cat.delete_version(item["what"])
         elif item["kind"] == "unfinished":
-            await cat.remove_unfinished(version_number(item["what"].rsplit("/", 1)[-1]))
+            why = await cat.remove_unfinished(version_number(item["what"].rsplit("/", 1)[-1]),
+                                              item["claim_token"])
         elif item["kind"] == "orphan":
-            for key in item["keys"]:
+            why = await _still_planned(cat, item)
+            for key in item["keys"] if why is None else []:
                 await cat.store.delete(key)
-    await cat.store.cleanup_incomplete(lay.root + "/", args.orphan_age, skip=live)
+        if why is not None:
+            item.update(kind="skip", why=f"left alone: {why}", keys=[], bytes=0)
+    # saves that started since the plan are as live as those it saw
+    _, live_now = await cat.unfinished()
+    live = {i["what"] + "/" for i in plan if i.get("live")}
+    live |= {lay.version_dir(n) + "/" for n in live_now}
+    await cat.store.cleanup_incomplete(lay.root + "/", args.orphan_age, skip=sorted(live))
     if any(i["kind"] == "retention" for i in plan):
         root = getattr(cat.store, "root", None)
         await cat.update_run_manifest(None if root is None else str(root), None)
