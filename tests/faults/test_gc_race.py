@@ -183,3 +183,35 @@ def test_remove_unfinished_refuses_what_changed_since_the_judgement() -> None:
         assert await store.list(lay.version_dir(7) + "/") == []
 
     asyncio.run(body())
+
+
+def test_gc_apply_checks_committed_versions_against_its_plan(tmp_path: Path) -> None:
+    """A retention victim replaced by another version under its number is kept; an orphan
+    whose version is unchanged still goes."""
+    from mithril_async.cli import build_parser
+    from mithril_async.commands._common import locate
+    from mithril_async.commands.gc import apply_run, plan_run
+
+    runs = tmp_path / "runs"
+    for step in (1, 2):
+        _save(runs, step)
+    orphan = runs / "run1/versions/v000002/extra.bin"
+    orphan.write_bytes(b"left by nobody")
+    args = build_parser().parse_args(["gc", str(runs), "--keep-last", "1"])
+    target = locate(str(runs))
+    plan = asyncio.run(plan_run(target, "run1", args))
+    assert {(i["kind"], i["what"]) for i in plan} == {
+        ("retention", "v000001"), ("orphan", "runs/run1/versions/v000002")}
+    # meanwhile v000001 is deleted and another version committed under its number
+    cat = target.catalog("run1")
+    asyncio.run(cat.delete_version("v000001"))
+    doc = json.loads((runs / "run1/versions/v000002/manifest.json").read_text())
+    doc.update(version_id="v000001", created_at="2001-01-01T00:00:00Z")
+    v1 = runs / "run1/versions/v000001"
+    v1.mkdir()
+    (v1 / "manifest.json").write_text(json.dumps(doc))
+    asyncio.run(apply_run(target, "run1", plan, args))
+    assert (v1 / "manifest.json").exists()
+    assert [i["why"] for i in plan if i["kind"] == "skip"] == [
+        "left alone: another version was committed as v000001 since gc looked"]
+    assert not orphan.exists()
