@@ -10,6 +10,9 @@ rather than one per syscall, so the event loop never waits on the disk.
 Safety: keys are validated with :func:`check_key`, the resolved parent directory must stay
 inside the root (symlinked directories pointing elsewhere are refused) and the final component
 is opened with ``O_NOFOLLOW`` so a planted symlink cannot redirect a read outside the root.
+Reads open with ``O_NONBLOCK`` and refuse anything but a regular file before reading: a FIFO
+planted at a key would otherwise hang the open (and a restore with it) until some process
+opened its other end. ``O_NONBLOCK`` is cleared again on the regular file's descriptor.
 
 Conditional writes: ``put_if_absent`` hard-links a fully written temp file into place
 (``link`` fails atomically if the name exists). ``put_if_match`` compares a content-hash tag
@@ -69,7 +72,7 @@ T = TypeVar("T")
 LOCK_NAME = RESERVED_PREFIX + "cas.lock"
 _MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 _WRITE_BUFFER = 1 << 20  # small writes are coalesced up to this size before a thread hop
-_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: permissions of a store's files (before the umask), and of the private ones
 FILE_MODE = 0o644
 PRIVATE_MODE = 0o600
@@ -131,6 +134,8 @@ class LocalStore:
     def _error(self, exc: OSError, op: str, key: str, path: str, *, reading: bool) -> Exception:
         if exc.errno == errno.ELOOP:
             return UnsafeKey(f"{op} {key!r}: {path} is a symlink, refused")
+        if isinstance(exc, NotRegularFile):
+            return UnsafeKey(f"{op} {key!r}: {path} is {exc.kind}, not a regular file; refused")
         if reading and exc.errno in _MISSING:
             return KeyNotFound(exc.errno, f"{op}: key {key!r} not found in {self.url}", path)
         code = exc.errno if exc.errno is not None else errno.EIO
@@ -263,10 +268,7 @@ class LocalStore:
     # -- reads -----------------------------------------------------------------------------
     @staticmethod
     def _read(path: str) -> bytes:
-        fd = os.open(path, _OPEN_FLAGS)
-        with open(fd, "rb", buffering=0, closefd=True) as f:
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        with open(_open_file(path), "rb", buffering=0, closefd=True) as f:
             return f.read()
 
     async def get(self, key: str) -> bytes:
@@ -299,8 +301,7 @@ class LocalStore:
             st = os.stat(path, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 raise OSError(errno.ELOOP, "symlink", path)
-            if not stat.S_ISREG(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+            _check_regular(st.st_mode, path)
             return st.st_size
 
         return await self._run("size", key, stat_size, reading=True)
@@ -545,12 +546,38 @@ class LocalStore:
         return None
 
 
+class NotRegularFile(OSError):
+    """A key's path holds something other than a file or folder (a FIFO, a socket, a
+    device): never a stored value, so refused (:class:`UnsafeKey` naming the key)."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+        self.kind = kind
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _check_regular(mode: int, path: str) -> None:
+    """Refuse what is not a regular file: a folder is no key (KeyNotFound, as a missing
+    file), anything else is :class:`NotRegularFile`."""
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    raise NotRegularFile(kind, path)
+
+
 def _open_file(path: str) -> int:
-    """A read-only descriptor of the regular file at ``path`` (no symlink, no folder)."""
+    """A blocking read-only descriptor of the regular file at ``path`` (no symlink, no
+    folder, no FIFO or device). Opened non-blocking, so a FIFO cannot hang the open; checked
+    by ``fstat`` on the descriptor itself (no race with a rename); then made blocking."""
     fd = os.open(path, _OPEN_FLAGS)
     try:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        _check_regular(os.fstat(fd).st_mode, path)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

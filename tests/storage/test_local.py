@@ -4,9 +4,13 @@ errno mapping, cross-process compare-and-swap)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import multiprocessing
 import os
+import stat
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,6 +87,56 @@ def test_symlinked_file_is_refused(tmp_path: Path) -> None:
 
     asyncio.run(body())
     assert secret.read_bytes() == b"secret"
+
+
+@contextlib.contextmanager
+def _a_writer_waits_at(fifo: Path) -> Iterator[None]:
+    """A thread opens ``fifo``'s write end and closes it at once. Its open blocks until a
+    reader opens the other end, so a read that blocks in ``open`` is met (and then reads
+    EOF: an empty value) instead of hanging the test; at the end the thread is released by
+    a non-blocking read open of our own if no read met it."""
+    thread = threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY)), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join()
+        os.close(fd)
+
+
+@pytest.mark.parametrize("op", ["get", "get_range", "get_with_etag", "open_range_reader",
+                                "size", "put_if_match"])
+def test_a_fifo_at_a_key_is_refused_not_waited_on(tmp_path: Path, op: str) -> None:
+    """A FIFO planted at a key: every read refuses it (UnsafeKey naming the key) instead of
+    waiting in ``open`` for a writer that may never come (a restore would hang), or
+    reading whatever a writer sends as if it were the stored value."""
+    root = tmp_path / "root"
+    (root / "v").mkdir(parents=True)
+    fifo = root / "v" / "blob"
+    os.mkfifo(fifo)
+    store = LocalStore(root)
+    calls = {"get": lambda: store.get("v/blob"),
+             "get_range": lambda: store.get_range("v/blob", 0, 8),
+             "get_with_etag": lambda: store.get_with_etag("v/blob"),
+             "open_range_reader": lambda: store.open_range_reader("v/blob"),
+             "size": lambda: store.size("v/blob"),
+             "put_if_match": lambda: store.put_if_match("v/blob", b"new", "some-tag")}
+    with _a_writer_waits_at(fifo), pytest.raises(UnsafeKey, match=r"'v/blob'.*a FIFO"):
+        asyncio.run(calls[op]())
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert asyncio.run(store.list("")) == []
+
+
+def test_a_regular_files_descriptor_is_blocking(tmp_path: Path) -> None:
+    """``O_NONBLOCK`` is only for the open: the range reader's descriptor is blocking."""
+    (tmp_path / "k").write_bytes(b"value")
+    reader = asyncio.run(LocalStore(tmp_path).open_range_reader("k"))
+    assert reader is not None
+    try:
+        assert os.get_blocking(reader._fd) and reader.read(0, 5) == b"value"
+    finally:
+        reader.close()
 
 
 def test_symlink_inside_root_is_allowed(tmp_path: Path) -> None:
