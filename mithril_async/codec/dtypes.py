@@ -6,6 +6,15 @@ torch tensor (or numpy array) maps onto those bytes.  Names are the torch attrib
 must never change.  Dtypes without a fixed width (quantized, sparse, nested) are refused with
 :class:`~mithril_async.errors.UnsupportedDtype`.
 
+NumPy has no bfloat16 or float8; JAX arrays carry them as the ``ml_dtypes`` extension types
+(``ml_dtypes.bfloat16`` ...), whose byte layouts are the same as torch's dtypes of the same
+name.  When ``ml_dtypes`` is installed those numpy dtypes map onto the same stable names
+(an ml_dtypes bfloat16 array and a torch bfloat16 tensor are the same bytes under the same
+name), so JAX arrays reach the codec without a detour through torch.  The float8 variants
+only ml_dtypes has (``float8_e4m3``, ``float8_e3m4``, ``float8_e4m3b11fnuz``) get names of
+their own; sub-byte types (int4, float4, float6: one value per byte in numpy, packed in
+torch) are refused, their two layouts would share a name.
+
 Why zero-copy: the async manager snapshots tensors into its own host buffers and then hands them
 to the codec; an extra copy here would double the memory traffic of every save.
 """
@@ -18,6 +27,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
+try:
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes comes with jax; torch users may lack it
+    _ml_dtypes = None  # type: ignore[assignment]
 
 from mithril_async.errors import ShapeMismatch, UnsupportedDtype
 
@@ -54,12 +68,22 @@ class DtypeInfo:
     numpy_dtype: np.dtype[Any] | None
 
 
+def _ml_dtype(name: str) -> np.dtype[Any] | None:
+    """The numpy dtype ``ml_dtypes`` gives ``name`` (None without ml_dtypes or that type)."""
+    scalar = getattr(_ml_dtypes, name, None) if _ml_dtypes is not None else None
+    return np.dtype(scalar) if scalar is not None else None
+
+
 def _mk(name: str, itemsize: int, kind: Kind, *, group: int | None = None,
-        exp: str | None = None, np_name: str | None = None) -> DtypeInfo | None:
+        exp: str | None = None, np_name: str | None = None, ml: bool = False,
+        ) -> DtypeInfo | None:
+    """``ml``: the numpy dtype is ml_dtypes' type of the same name (when installed)."""
     tdt = getattr(torch, name, None)
     if not isinstance(tdt, torch.dtype):
         tdt = None
-    ndt = np.dtype(np_name) if np_name is not None else None
+    ndt = np.dtype(np_name) if np_name is not None else _ml_dtype(name) if ml else None
+    if ndt is not None and ndt.itemsize != itemsize:  # pragma: no cover - a changed ml_dtypes
+        ndt = None
     if tdt is None and ndt is None:
         return None
     return DtypeInfo(name, itemsize, kind, group if group is not None else itemsize, exp, tdt, ndt)
@@ -69,12 +93,15 @@ _ALL = [
     _mk("float64", 8, "float", np_name="float64"),
     _mk("float32", 4, "float", exp="fp32", np_name="float32"),
     _mk("float16", 2, "float", np_name="float16"),
-    _mk("bfloat16", 2, "float", exp="bf16"),
-    _mk("float8_e4m3fn", 1, "float"),
-    _mk("float8_e5m2", 1, "float"),
-    _mk("float8_e4m3fnuz", 1, "float"),
-    _mk("float8_e5m2fnuz", 1, "float"),
-    _mk("float8_e8m0fnu", 1, "float"),
+    _mk("bfloat16", 2, "float", exp="bf16", ml=True),
+    _mk("float8_e4m3fn", 1, "float", ml=True),
+    _mk("float8_e5m2", 1, "float", ml=True),
+    _mk("float8_e4m3fnuz", 1, "float", ml=True),
+    _mk("float8_e5m2fnuz", 1, "float", ml=True),
+    _mk("float8_e8m0fnu", 1, "float", ml=True),
+    _mk("float8_e4m3", 1, "float", ml=True),
+    _mk("float8_e3m4", 1, "float", ml=True),
+    _mk("float8_e4m3b11fnuz", 1, "float", ml=True),
     _mk("float4_e2m1fn_x2", 1, "float"),
     _mk("int8", 1, "int", np_name="int8"),
     _mk("int16", 2, "int", np_name="int16"),

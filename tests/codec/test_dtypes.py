@@ -61,3 +61,37 @@ def test_unsupported_dtypes_name_the_tensor() -> None:
         tensor_from_bytes(b"", "nope", ())
     with pytest.raises(ShapeMismatch):
         tensor_from_bytes(np.zeros(3, np.uint8), "float32", (1,))
+
+
+ML_SHARED = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+             "float8_e8m0fnu"]
+
+
+@pytest.mark.parametrize("name", ML_SHARED)
+def test_ml_dtypes_arrays_are_torchs_dtype_of_the_same_name(name: str) -> None:
+    """JAX's numpy dtypes (ml_dtypes) reach the codec without torch, as the same bytes under
+    the same name; the torch tensor decoded from them holds the same values."""
+    ml = pytest.importorskip("ml_dtypes")
+    values = np.linspace(0.25 if name == "float8_e8m0fnu" else -3.0, 3.0, 12, dtype=np.float32)
+    a = values.astype(getattr(ml, name)).reshape(3, 4)
+    buf, dn, shape = tensor_bytes(a)
+    assert (dn, shape) == (name, (3, 4)) and dtype_name(a.dtype) == name
+    t = tensor_from_bytes(buf.copy(), dn, shape)
+    assert t.dtype == DTYPES[name].torch_dtype
+    assert same_bits(t, torch.from_numpy(values).reshape(3, 4).to(t.dtype))
+    assert DTYPES[name].numpy_dtype == a.dtype
+
+
+def test_float8_kinds_only_ml_dtypes_has_decode_to_numpy_not_torch() -> None:
+    ml = pytest.importorskip("ml_dtypes")
+    from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
+
+    for name in ("float8_e4m3", "float8_e3m4", "float8_e4m3b11fnuz"):
+        a = np.linspace(-2, 2, 10, dtype=np.float32).astype(getattr(ml, name))
+        assert dtype_name(a) == name and DTYPES[name].torch_dtype is None
+        out = decompress_state_dict(compress_state_dict({"a": a}), as_numpy=True)["a"]
+        assert out.dtype == a.dtype and np.array_equal(out.view(np.uint8), a.view(np.uint8))
+        with pytest.raises(UnsupportedDtype, match="no torch equivalent"):
+            tensor_from_bytes(a.view(np.uint8), name, (10,))
+    with pytest.raises(UnsupportedDtype, match="int4"):  # one value per byte here, packed in torch
+        dtype_name(np.zeros(2, ml.int4))
