@@ -20,11 +20,20 @@ How it plugs into a save without changing the save protocol (:mod:`mithril_async
   arrived; then each rank uploads its blobs to the remote and rank 0, once all uploads are
   durable, writes the manifest there (last, so a remote version is complete when visible) and
   moves ``latest_remote`` and ``latest``. :class:`TierResult` says which tiers each version
-  reached and when; a tier that failed is named with the rank in ``errors``.
+  reached and when; a tier that failed is named with the rank in ``errors``. A file one rank
+  cannot read fails that version's replication for that file only: an empty message goes in
+  its place, so the exchange completes and the holder knows the file is missing.
+- A version's objects are written once on every tier (:mod:`mithril_async.tiers.write_once`):
+  an object the remote already holds under one of its keys with other bytes is left alone and
+  fails that upload with ``KeyExists``. And the numbers cannot collide to begin with: when the
+  manager is made, rank 0 learns the highest version folder any rank's node or replica
+  folder, or the remote, holds (:attr:`Tiers.floor`) and numbers its saves above it, so a
+  job on a new node folder with a fixed ``run_id`` never reuses v000001.
 - Retention per tier: the node lead keeps ``keep_local`` versions in its node folder and
   ``keep_replicated`` in its replica folder; the remote follows the config's ``keep_*`` policy.
   The newest version complete on the remote is never deleted from a fast tier while no newer
-  version is complete anywhere.
+  version is complete anywhere, and no version is deleted from the node folder before its
+  replication and upload ran (they copy it from there).
 
 Recovery (:meth:`Tiers.restore`): the ranks pool which versions their node and replica
 folders hold, and rank 0 which version folders the remote has (one LIST with a delimiter, run
@@ -33,22 +42,28 @@ unless the remote holds a newer folder: a version is uploaded only after every n
 it locally, so that happens only when fast tiers were lost or replaced, and only then does
 rank 0 ask for those manifests (HEADs). Each rank then finds the files it needs (its own
 shards and RNG file, the model): in its node folder (its own tier, then the copies the node
-holds), else at the rank holding a copy (over the tier group), else on the remote. A file in
-the node's folders is checked by size and a peer's copy by size; the manager's one reader
-then verifies what it restores as it does for any restore (``[checkpointing.restore]
-verify``: every block's hash, or the manifest's whole-blob XXH64), reading the fetched
+holds), else at the ranks holding a copy (over the tier group; the next holder when one
+copy is damaged or missing), else on the remote. Every manifest, from whichever tier, passes
+the restore reader's checks (:mod:`mithril_async.tiers.manifests`) before a file it names is
+fetched. A file in the node's folders is checked by size and a peer's copy by size; the
+manager's one reader then verifies what it restores as it does for any restore
+(``[checkpointing.restore] verify``: every block's hash, or the manifest's whole-blob
+XXH64), reading the fetched
 copies from memory (:attr:`NodeStore.overlay`), not from a copy written to disk first. If a
 rank's restore fails, every rank joins a repair round: the failed rank hashes each copy it
 used, a damaged one falls through to the next tier for that file only (hashed on arrival),
 and it restores again (overwriting whatever the failed attempt wrote). Copies from the remote
 are hashed on arrival. Fetched copies are written back into the node folder, durably, in the
 background after the restore (hashed whole first if nothing had hashed them whole); the next
-save's tier work, :meth:`Tiers.wait` and :meth:`Tiers.close` wait for that.
+save's tier work, :meth:`Tiers.wait` and :meth:`Tiers.close` wait for that. Nothing is written
+into the node folder before every file is at hand (the manifest last), and a restore that
+fails takes out what the recovery wrote: a failed recovery leaves the node folder as it found
+it, not with a manifest whose files are missing.
 :meth:`Tiers.recover` is the strict form: every file hashed and written into the node folder
 before it returns.
 
 A version saved by another world size (a job back smaller after a node loss) composes with
-the reader's resharding (:mod:`mithril_async.pipeline.reshard`): each rank's files are what
+the reader's resharding (:mod:`mithril_async.restore.reshard`): each rank's files are what
 the reader will read for it (:func:`restore_files`):
 the blobs of the saved ranks whose pieces overlap the boxes it will hold (``plan_reads`` on
 the manager's reshard targets), the lowest saved rank's (skeleton, replicated pieces), every
@@ -116,8 +131,10 @@ from mithril_async.retention import apply_retention, from_config
 from mithril_async.storage.base import Store, check_range
 from mithril_async.storage.local import LocalStore
 from mithril_async.tiers.config import TiersConfig, check_local_root
+from mithril_async.tiers.manifests import confined_manifest, read_confined
 from mithril_async.tiers.topology import NodeMap
 from mithril_async.tiers.transport import GlooLink, Link, LocalLink, Payload
+from mithril_async.tiers.write_once import put_once
 
 log = logging.getLogger("mithril_async")
 
@@ -181,6 +198,9 @@ class TierResult:
     reached: dict[str, float] = field(default_factory=dict)
     #: tier -> what failed (naming the rank)
     errors: dict[str, str] = field(default_factory=dict)
+    #: tier -> the error itself (typed: ``KeyExists`` when the remote already held another
+    #: object under one of this version's keys, else ``DistributedError`` naming each rank's)
+    failures: dict[str, BaseException] = field(default_factory=dict)
     done: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future, repr=False)
 
@@ -242,7 +262,7 @@ Targets = Callable[[str, dict[str, PieceMeta]], Mapping[str, Any] | None]
 
 def resharded_files(m: VersionManifest, targets: Targets | None) -> list[Need]:
     """What the one reader reads for a rank restoring ``m`` on another world size (a
-    reshard, :mod:`mithril_async.pipeline.reshard`): the run's config file and the whole
+    reshard, :mod:`mithril_async.restore.reshard`): the run's config file and the whole
     model (unless the model is sharded), for every sharded item the blobs of the saved ranks
     whose pieces overlap a box this rank will hold (:func:`plan_reads` on the boxes
     ``targets`` gives, as the reader plans them) and the lowest saved rank's (it supplies
@@ -489,9 +509,15 @@ class Tiers:
         #: newest versions this process saw complete on the remote / replica tier
         self._newest_remote: str | None = None
         self._newest_replicated: str | None = None
+        #: versions committed on the node folder whose replication and upload have not run
+        #: yet: retention leaves them there (they are copied from there)
+        self._pending: set[str] = set()
+        #: the run's config file once this process checked it is on the remote
+        self._config_on_remote: str | None = None
         self._closed = False
-        #: the newest version number any rank's tiers showed at the last recovery: rank 0
-        #: numbers the next save above it (:meth:`claim_above_floor`)
+        #: the newest version number any rank's tiers (node and replica folders, the
+        #: remote) showed when the manager was made or at the last recovery: rank 0 numbers
+        #: the next save above it (:meth:`claim_above_floor`)
         self.floor = 0
         #: after :meth:`recover`: where each file this rank needed came from
         self.last_sources: dict[str, str] = {}
@@ -520,7 +546,8 @@ class Tiers:
     # ------------------------------------------------------------------ construction helpers
     def manager(self, state: Mapping[str, Any], **kw: Any) -> Any:
         """A CheckpointManager whose saves commit on this node's tier and then replicate and
-        upload in the background. Every rank calls it at the same point."""
+        upload in the background. Every rank calls it at the same point (the ranks then
+        pool the highest version number their tiers hold: :meth:`_top_number`)."""
         from mithril_async.manager import CheckpointManager
 
         inner: Coordinator = (DistCoordinator(timeout_s=self.tcfg.commit_timeout_s)
@@ -545,7 +572,35 @@ class Tiers:
                                 coordinator=TierCoordinator(inner, self), **kw)
         self.layout = mgr.layout
         self._targets = getattr(mgr, "_reshard_targets", None)
+        try:
+            self.floor = max(self.floor, self._loop.run(self._top_number()))
+        except BaseException:
+            mgr.close()
+            raise
         return mgr
+
+    async def _top_number(self) -> int:
+        """Collective: the highest version number whose folder any rank's node or replica
+        folder, or the remote, holds (complete or not). Why before the first save: a job
+        whose node folder is new (a fresh machine, a fixed ``run_id``) would otherwise
+        number its first save v000001 and write it over the version of that name that
+        another node or the remote already holds."""
+        mine: list[str] = []
+        error: str | None = None
+        try:
+            mine = await self._folders(self.store) + await self._folders(self.replica_store)
+            if self.rank == 0 and self.remote is not None:
+                mine += await self._folders(self.remote)
+        except Exception as err:
+            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        top = max((version_number(v) for v in mine), default=0)
+        got = await self._gloo(self.link.all_gather, (top, error),
+                               "tiers: version numbers on every tier")
+        bad = [e for _, e in got if e is not None]
+        if bad:
+            raise StorageError(f"tiers: cannot tell which version numbers the tiers hold, so "
+                               f"the next save cannot be numbered safely: {bad[0]}")
+        return max(t for t, _ in got)
 
     def close(self) -> None:
         """Wait for the background tier work, then release the loop, stores and group."""
@@ -577,8 +632,10 @@ class Tiers:
         assert self.layout is not None
         key, data = payload["manifest_key"], payload["manifest"]
         m = parse_model(VersionManifest, data, key)
+        # before the manifest lands here: retention must see it as still to be copied
+        self._pending.add(m.version_id)
         if self.lead:
-            await _write_meta(self.store, payload)
+            await _write_meta(self.store, payload, "local")
             await move_alias(self.store, self.layout, "latest_local", m, key)
         res = TierResult(m.version_id, m.step, time.time())
         res.reached["local"] = 0.0
@@ -598,7 +655,7 @@ class Tiers:
                 res.reached["replicated"] = time.time() - res.committed_at
                 self._newest_replicated = m.version_id
             except Exception as err:
-                res.errors["replicated"] = str(err)
+                res.errors["replicated"], res.failures["replicated"] = str(err), err
                 log.error("%s did not reach the replica tier: %s", m.version_id, err)
         if self.remote is not None:
             try:
@@ -606,8 +663,9 @@ class Tiers:
                 res.reached["remote"] = time.time() - res.committed_at
                 self._newest_remote = m.version_id
             except Exception as err:
-                res.errors["remote"] = str(err)
+                res.errors["remote"], res.failures["remote"] = str(err), err
                 log.error("%s did not reach the remote tier: %s", m.version_id, err)
+        self._pending.discard(m.version_id)  # every slower tier has had its copy
         try:
             await self._retention()
         except Exception as err:  # the versions are committed; retried after the next save
@@ -617,25 +675,40 @@ class Tiers:
         return await asyncio.to_thread(fn, *args)
 
     async def _replicate(self, payload: dict[str, Any], m: VersionManifest) -> None:
-        """Each rank's files to its holders; holders keep them with the manifest."""
+        """Each rank's files to its holders; holders keep them with the manifest.
+
+        A file that cannot be read (EIO, gone) fails that file only: its owner sends an
+        empty message in its place, so the exchange still completes on both sides (a rank
+        that skipped it would leave its peers waiting until the deadline and the tier group
+        broken for every later version). The holder learns the file is missing, keeps the
+        copies that did arrive, and every rank reports the version's replication failed,
+        naming each file; the next version replicates as usual."""
         assert self.layout is not None
         owned = owned_files(m)
-        error: str | None = None
+        problems: list[str] = []
+        mine: dict[str, Payload] = {}
+        for need in owned.get(self.rank, []):
+            try:
+                mine[need.key] = (await _mapped(self.store, need.key)
+                                  or await self.store.get(need.key))
+            except Exception as err:
+                mine[need.key] = b""
+                problems.append(f"cannot read {need.key} ({type(err).__name__}: {err})")
         sends: list[tuple[int, int, Payload]] = []
         recvs: list[tuple[int, int]] = []
         meta: dict[int, tuple[int, Need]] = {}
         tag = 0
+        for r in range(self.world):  # tags numbered the same way on every rank
+            for h in self.nodes.replica_holders(r, self.tcfg.replicas):
+                for need in owned.get(r, []):
+                    tag += 1
+                    if r == self.rank:
+                        sends.append((h, tag, mine[need.key]))
+                    elif h == self.rank:
+                        recvs.append((r, tag))
+                        meta[tag] = (r, need)
+        mine.clear()
         try:
-            for r in range(self.world):  # tags numbered the same way on every rank
-                for h in self.nodes.replica_holders(r, self.tcfg.replicas):
-                    for need in owned.get(r, []):
-                        tag += 1
-                        if r == self.rank:
-                            sends.append((h, tag, await _mapped(self.store, need.key)
-                                          or await self.store.get(need.key)))
-                        elif h == self.rank:
-                            recvs.append((r, tag))
-                            meta[tag] = (r, need)
             peers = sorted({h for h, _, _ in sends} | {r for r, _ in recvs})
             got = await self._gloo(self.link.exchange, sends, recvs,
                                    f"{m.version_id}: copies to/from rank(s) {peers} "
@@ -643,45 +716,57 @@ class Tiers:
             sends.clear()
             for t, data in got.items():
                 r, need = meta[t]
-                if not intact(data, need):
-                    raise ChecksumMismatch(f"replica of {need.key} from rank {r}",
-                                           need.xxh64 or "?", xxhash.xxh64_hexdigest(data))
-                await self.replica_store.put(need.key, data)
+                if not data:
+                    problems.append(f"{need.key} from rank {r} is missing (its owner could "
+                                    "not send it)")
+                elif not intact(data, need):
+                    problems.append(str(ChecksumMismatch(
+                        f"replica of {need.key} from rank {r}", need.xxh64 or "?",
+                        xxhash.xxh64_hexdigest(data))))
+                else:
+                    await self.replica_store.put(need.key, data)
         except Exception as err:
-            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+            problems.append(f"{type(err).__name__}: {err}")
         held_any = bool(recvs)
-        if held_any and error is None:
+        if held_any and not problems:
             try:
-                await _write_meta(self.replica_store, payload)
+                await _write_meta(self.replica_store, payload, "replicated")
             except Exception as err:
-                error = f"rank {self.rank}: {type(err).__name__}: {err}"
+                problems.append(f"{type(err).__name__}: {err}")
+        error = f"rank {self.rank}: {'; '.join(problems)}" if problems else None
         statuses = await self._gloo(self.link.all_gather, error, "tiers: replication status")
         bad = [s for s in statuses if s is not None]
         if bad:
-            raise DistributedError(f"{m.version_id}: tier replicated failed: {bad[0]}")
+            raise DistributedError(f"{m.version_id}: tier replicated failed: {'; '.join(bad)}")
         if held_any:
             await move_alias(self.replica_store, self.layout, "latest_replicated", m,
                              payload["manifest_key"])
 
     async def _upload(self, payload: dict[str, Any], m: VersionManifest) -> None:
-        """Each rank uploads what it wrote; rank 0 publishes the manifest once all are in."""
+        """Each rank uploads what it wrote; rank 0 publishes the manifest once all are in.
+
+        Every object is written once (:func:`~mithril_async.tiers.write_once.put_once`): an
+        object the remote already holds under one of this version's keys with other bytes
+        is left alone and fails the upload with :class:`KeyExists` on every rank; the
+        manifest is then not published and ``latest`` does not move."""
         assert self.layout is not None and self.remote is not None
-        error: str | None = None
+        error: tuple[str, str] | None = None
         try:
             for need in owned_files(m).get(self.rank, []):
-                await self.remote.put(need.key, await self.store.get(need.key))
-            if self.rank == 0 and payload["config_key"] is not None and \
-                    not await self.remote.exists(payload["config_key"]):
-                await self.remote.put(payload["config_key"], payload["config"])
+                await put_once(self.remote, need.key, await self.store.get(need.key), "remote")
+            ckey = payload["config_key"]
+            if self.rank == 0 and ckey is not None and ckey != self._config_on_remote:
+                await put_once(self.remote, ckey, payload["config"], "remote")
+                self._config_on_remote = ckey
         except Exception as err:
-            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+            error = (type(err).__name__, f"rank {self.rank}: {type(err).__name__}: {err}")
         statuses = await self._gloo(self.link.all_gather, error, "tiers: upload status")
         bad = [s for s in statuses if s is not None]
-        published: str | None = None
+        published: tuple[str, str] | None = None
         if not bad and self.rank == 0:
             try:
-                with contextlib.suppress(KeyExists):
-                    await self.remote.put_if_absent(payload["manifest_key"], payload["manifest"])
+                await put_once(self.remote, payload["manifest_key"], payload["manifest"],
+                               "remote")
                 cat = RunCatalog(self.remote, self.layout)
                 await cat.move_latest(m, payload["manifest_key"])
                 await move_alias(self.remote, self.layout, "latest_remote", m,
@@ -690,18 +775,23 @@ class Tiers:
                 if policy is not None:
                     await apply_retention(cat, policy)
             except Exception as err:
-                published = f"rank 0: {type(err).__name__}: {err}"
+                published = (type(err).__name__, f"rank 0: {type(err).__name__}: {err}")
         if not bad:
             outcome = await self._gloo(self.link.all_gather, published, "tiers: remote commit")
             bad = [s for s in outcome if s is not None]
         if bad:
-            raise DistributedError(f"{m.version_id}: tier remote failed: {bad[0]}")
+            msg = f"{m.version_id}: tier remote failed: {'; '.join(text for _, text in bad)}"
+            if any(kind == KeyExists.__name__ for kind, _ in bad):
+                raise KeyExists(msg)
+            raise DistributedError(msg)
 
     async def _retention(self) -> None:
         """Node lead: keep the newest ``keep_local`` / ``keep_replicated`` versions, and the
         newest version complete on the remote as long as no newer one survives a node loss
         (complete on the replica tier or the remote): while uploads and replication fail, the
-        fast tiers keep the last durable recovery point instead of aging it out."""
+        fast tiers keep the last durable recovery point instead of aging it out. A version
+        whose replication and upload have not run yet (saves committed while an upload
+        lags) is never deleted from the node folder: they copy it from there."""
         if not self.lead or self.layout is None:
             return
         for store, keep in ((self.store, self.tcfg.keep_local),
@@ -715,17 +805,20 @@ class Tiers:
             nr, rep = self._newest_remote, self._newest_replicated
             if nr is not None and (rep is None or rep <= nr):
                 doomed = [v for v in doomed if v != nr]
+            if store is self.store:
+                pending = set(self._pending)
+                doomed = [v for v in doomed if v not in pending]
             for vid in reversed(doomed):  # newest first, like the manager's retention
                 await cat.delete_version(vid)
 
     async def claim_above_floor(self, claim: Callable[[], Any]) -> int:
-        """Rank 0's version claim after a recovery: above every version folder any rank's
-        tiers showed then. Why: rank 0 claims in its own node folder, which need not hold
-        the newest version another node holds (a recovery that took an older version, say
-        because the newest one had not reached the replicas when a node died, or a fresh
-        node 0). Reusing that number would put a second version under a name another
-        node's folder already commits. A claim of the floor's number is held while the
-        save claims (so it claims above), then dropped."""
+        """Rank 0's version claim: above every version folder any rank's tiers (and the
+        remote) showed when the manager was made or at the last recovery. Why: rank 0 claims
+        in its own node folder, which need not hold the newest version another node or the
+        remote holds (a recovery that took an older version, say because the newest one had
+        not reached the replicas when a node died, or a fresh node 0). Reusing that number
+        would put a second version under a name another tier already holds. A claim of the
+        floor's number is held while the save claims (so it claims above), then dropped."""
         assert self.layout is not None
         n = self.floor
         held: bytes | None = None
@@ -761,8 +854,8 @@ class Tiers:
             raise ConfigError("Tiers.recover: create the manager first (Tiers.manager)")
         self.wait()
         rec = self._loop.run(self._recover(target, light=False, targets=self._targets))
-        self._loop.run(self._write(rec, [k for k in rec.sources if rec.sources[k] != "local"],
-                                   self._hydrate))
+        self._loop.run(self._settle(rec, [k for k in rec.sources if rec.sources[k] != "local"],
+                                    self._hydrate))
         self._finish_recovery(rec)
         return rec.vid
 
@@ -783,7 +876,10 @@ class Tiers:
         from elsewhere than the own node's tier are written back into the node folder,
         durably, in the background once the restore succeeded: :meth:`wait` (also run by
         :meth:`close` and the next :meth:`restore`) returns after, and the next save's
-        replication and upload queue behind it."""
+        replication and upload queue behind it. A restore that fails in the end takes the
+        manifest and the files it wrote out of the node folder again (:meth:`_undo`): the
+        folder is left as the recovery found it, never with a manifest whose files are
+        missing."""
         if self.layout is None:
             raise ConfigError("Tiers.restore: create the manager first (Tiers.manager)")
         self.wait()
@@ -815,6 +911,7 @@ class Tiers:
         rec.marks["restored"] = time.perf_counter() - rec.t0
         self._finish_recovery(rec)
         if err is not None:
+            self._loop.run(self._undo(rec))
             raise err
         back = [(k, rec.data.get(k)) for k, s in rec.sources.items()
                 if s != "local" and k not in rec.written]
@@ -892,7 +989,7 @@ class Tiers:
                 found = (await self._gloo(self.link.all_gather, found,
                                           "tiers: newest remote version"))[0]
             vid = found or newest_fast
-            got = None if vid is None else await self._manifest(vid, inv)
+            got = None if vid is None else await self._try_manifest(vid)
             held: list[dict[str, set[str]]] | None = None
             if got is None or got[0].world_size != self.world:
                 # saved by another world size: the rule above follows the fixed replica
@@ -908,14 +1005,12 @@ class Tiers:
             if target not in every:
                 raise VersionNotFound(f"run {self.layout.run_id}: {target!r} is on no tier")
             vid, held = target, None
-            m, mdata = await self._manifest(vid, inv)
-        mkey = self.layout.manifest_key(version_number(vid))
-        if not await self.store.exists(mkey):  # the next save numbers its version after it
-            with contextlib.suppress(KeyExists):
-                await self.store.put_if_absent(mkey, mdata)
+            got = await self._try_manifest(vid, strict=True)
+            assert got is not None
+            m, mdata = got
         # on another world size (a reshard): the saved ranks' blobs this rank's pieces overlap
         needs = restore_files(m, self.rank, self.world, targets)
-        rec = Recovery(vid, m, inv, needs, t0=t0, marks=marks)
+        rec = Recovery(vid, m, inv, needs, t0=t0, marks=marks, mdata=mdata)
         if m.world_size != self.world:
             rec.held = held if held is not None else await self._held(m)
         for n in rec.needs:  # this node's folder: its own tier, then the copies it holds
@@ -924,10 +1019,43 @@ class Tiers:
         marks["own folder"] = time.perf_counter() - t0
         await self._fetch(rec, missing, verify=not light)
         if light:  # small files on disk now: the next save reads the run's config file
-            await self._write(rec, [k for k, d in rec.data.items() if len(d) <= _SMALL],
-                              self.store)
+            await self._settle(rec, [k for k, d in rec.data.items() if len(d) <= _SMALL],
+                               self.store)
             marks["small files written"] = time.perf_counter() - t0
         return rec
+
+    async def _settle(self, rec: Recovery, keys: list[str], store: LocalStore) -> None:
+        """Once every file this rank needs is at hand: ``keys`` written into the node folder,
+        then the version's manifest (the reader resolves the version there; the next save
+        is numbered above it anyway, :attr:`floor`). Nothing is written before: a recovery
+        that fails to find a file leaves the node folder as it was. A failed write takes
+        back what this recovery wrote."""
+        assert self.layout is not None
+        try:
+            await self._write(rec, keys, store)
+            mkey = self.layout.manifest_key(version_number(rec.vid))
+            if not await self.store.exists(mkey):
+                with contextlib.suppress(KeyExists):
+                    await self.store.put_if_absent(mkey, rec.mdata)
+                    rec.manifest_created = True
+        except BaseException:
+            await self._undo(rec)
+            raise
+
+    async def _undo(self, rec: Recovery) -> None:
+        """Take out of the node folder what this recovery put there (the manifest first, as
+        every deletion of a version): for a recovery or restore that failed."""
+        assert self.layout is not None
+        keys = ([self.layout.manifest_key(version_number(rec.vid))]
+                if rec.manifest_created else []) + rec.created
+        for key in keys:
+            try:
+                await self.store.delete(key)
+            except Exception as err:
+                log.warning("rank %d: could not take %s (written by a failed recovery of %s) "
+                            "out of %s: %r", self.rank, key, rec.vid, self.root, err)
+        rec.manifest_created = False
+        rec.created.clear()
 
     async def _elastic_latest(self, inv: list[dict[str, Any]], every: list[str],
                               fast: Callable[[str], bool], targets: Targets | None
@@ -944,7 +1072,7 @@ class Tiers:
         not every saved rank's files anywhere fast."""
         assert self.layout is not None
         for v in sorted(every, reverse=True):
-            got = await self._try_manifest(v, inv)
+            got = await self._try_manifest(v)
             if got is None:
                 continue
             m = got[0]
@@ -970,47 +1098,77 @@ class Tiers:
                 return v, got[0], got[1], held
         return None
 
-    async def _try_manifest(self, vid: str, inv: list[dict[str, Any]]
+    async def _try_manifest(self, vid: str, *, strict: bool = False
                             ) -> tuple[VersionManifest, bytes] | None:
-        """Collective: :meth:`_manifest`, or None on every rank when some rank found it on no
-        tier (a version folder without its manifest: an upload or save that never finished)."""
+        """Collective: :meth:`_manifest`, or None on every rank when some rank found no
+        readable manifest that stays inside the run on any tier (a version folder without
+        its manifest: an upload or save that never finished; or a planted or damaged one).
+        ``strict``, or any other error (a remote that fails): raised on every rank (that
+        rank's own error; on the others a ``VersionNotFound`` or ``DistributedError``
+        naming the ranks)."""
         got: tuple[VersionManifest, bytes] | None = None
+        error: Exception | None = None
         try:
-            got = await self._manifest(vid, inv)
-        except (VersionNotFound, KeyNotFound, InvalidFormat) as err:
-            log.warning("tiers: %s has no readable manifest on this rank's tiers (%s); "
-                        "trying an older version", vid, err)
-        oks = await self._gloo(self.link.all_gather, got is not None, f"tiers: {vid} manifest")
-        return got if all(oks) else None
+            got = await self._manifest(vid)
+        except Exception as err:
+            error = err
+            log.warning("tiers: %s has no readable manifest on this rank's tiers (%s: %s)",
+                        vid, type(err).__name__, err)
+        kind = None if got is not None else (
+            "missing" if isinstance(error, (VersionNotFound, KeyNotFound, InvalidFormat))
+            else "error")
+        kinds = await self._gloo(self.link.all_gather, kind, f"tiers: {vid} manifest")
+        if all(k is None for k in kinds):
+            return got
+        if not strict and "error" not in kinds:
+            return None
+        if error is not None:
+            raise error
+        failed = [r for r, k in enumerate(kinds) if k is not None]
+        if "error" in kinds:
+            raise DistributedError(f"tiers: reading the manifest of {vid} failed on rank(s) "
+                                   f"{failed}")
+        raise VersionNotFound(f"{vid}: rank(s) {failed} found no readable manifest of it on "
+                              "any tier")
 
-    async def _manifest(self, vid: str, inv: list[dict[str, Any]]
-                        ) -> tuple[VersionManifest, bytes]:
+    async def _manifest(self, vid: str) -> tuple[VersionManifest, bytes]:
         """Collective: ``vid``'s manifest, from this node, else the lowest rank holding it,
-        else the remote."""
+        else the remote. Every copy, wherever it comes from, passes the restore reader's
+        checks (:func:`confined_manifest`: inside this run, the right version, safe keys)
+        before anything it names is fetched or written; a copy that fails them is skipped
+        like a missing one (the remote's is raised: it is the last tier)."""
         assert self.layout is not None
         mkey = self.layout.manifest_key(version_number(vid))
-        data = await _get_or_none(self.store, mkey) or await _get_or_none(
-            self.replica_store, mkey)
-        holders = [r for r in range(self.world)
-                   if vid in inv[r]["local"] or vid in inv[r]["replica"]]
-        src = holders[0] if holders else None
-        lacking = await self._gloo(self.link.all_gather, data is None, "tiers: manifest needs")
-        sends: list[tuple[int, int, bytes]] = []
-        recvs: list[tuple[int, int]] = []
-        for r in range(self.world):
-            if lacking[r] and src is not None:
-                if self.rank == src:
-                    sends.append((r, r + 1, data or b""))
-                elif self.rank == r:
-                    recvs.append((src, r + 1))
-        got_m = await self._gloo(self.link.exchange, sends, recvs, f"recovery: manifest {mkey}")
-        if recvs:
-            data = bytes(got_m.get(recvs[0][1], b"")) or None
-        if data is None:
+        got: tuple[VersionManifest, bytes] | None = None
+        for store in (self.store, self.replica_store):
+            try:
+                got = await read_confined(store, self.layout, mkey)
+            except (InvalidFormat, StorageError) as err:
+                log.warning("rank %d: %s in %s is refused: %s", self.rank, mkey, store.url, err)
+            if got is not None:
+                break
+        have = await self._gloo(self.link.all_gather, got is not None, "tiers: manifest needs")
+        src = next((r for r, ok in enumerate(have) if ok), None)
+        if src is not None and not all(have):
+            sends = [(r, r + 1, got[1]) for r, ok in enumerate(have)
+                     if not ok and self.rank == src and got is not None]
+            recvs = [(src, self.rank + 1)] if not have[self.rank] else []
+            sent = await self._gloo(self.link.exchange, sends, recvs,
+                                    f"recovery: manifest {mkey}")
+            if recvs:
+                data = bytes(sent.get(self.rank + 1, b""))
+                try:
+                    got = (await confined_manifest(self.layout, mkey, data), data)
+                except InvalidFormat as err:
+                    log.warning("rank %d: %s from rank %d is refused: %s", self.rank, mkey,
+                                src, err)
+        if got is None:
             if self.remote is None:
                 raise VersionNotFound(f"{mkey}: on no tier")
-            data = await self.remote.get(mkey)
-        return parse_model(VersionManifest, data, mkey), data
+            got = await read_confined(self.remote, self.layout, mkey)
+            if got is None:
+                raise VersionNotFound(f"{mkey}: on no tier")
+        return got
 
     async def _held(self, m: VersionManifest) -> list[dict[str, set[str]]]:
         """Collective, for a version saved by another world size: which of its files each
@@ -1067,69 +1225,28 @@ class Tiers:
                     rec.tried.setdefault(n.key, set()).add(tier)
 
     async def _fetch(self, rec: Recovery, missing: list[str], *, verify: bool) -> None:
-        """Collective: every rank's ``missing`` files from the rank whose node folder has
-        the file (its owner's, else a replica holder's; one plan computed alike on every
-        rank), else a GET from the remote. A copy is accepted by size (``verify``, or a file
-        of at most ``_SMALL`` bytes: by XXH64); places whose copy was damaged before
-        (``rec.tried``) are not asked again.
+        """Collective: every rank's ``missing`` files from the ranks whose folders hold a
+        copy (its owner's node folder, then each replica holder's in turn; one plan computed
+        alike on every rank), else a GET from the remote. Round after round, a file whose
+        copy arrived damaged or missing is asked of the next holder, until every holder was
+        tried: only then does the remote (or the failure) come. A copy is accepted by size
+        (``verify``, or a file of at most ``_SMALL`` bytes: by XXH64); places whose copy was
+        damaged before (``rec.tried``) are not asked again.
         Raises :class:`DistributedError` on every rank when a file is intact nowhere."""
-        m, vid, inv = rec.manifest, rec.vid, rec.inv
-        wants = await self._gloo(
-            self.link.all_gather,
-            [(k, sorted(t for t in rec.tried.get(k, ()) if isinstance(t, int)))
-             for k in missing], "tiers: recovery needs")
+        m, vid = rec.manifest, rec.vid
         by_key = {n.key: n for n in rec.needs}
         for r_files in owned_files(m).values():
             by_key.update({n.key: n for n in r_files})
         by_key.update({n.key: n for n in needed_files(m, 0)})
-        plan: list[tuple[int, int, int, str, str]] = []  # (dst, src, tag, tier, key)
-        tag = 0
-        for r in range(self.world):  # the same plan, and tags, on every rank
-            for key, skip in wants[r]:
-                if rec.held is None:  # the same world: the fixed mapping names the holders
-                    owner = owner_of(key)
-                    cands = [(owner, "local")] + [
-                        (h, "replica")
-                        for h in self.nodes.replica_holders(owner, self.tcfg.replicas)]
-                    cands = [(c, t) for c, t in cands if vid in inv[c][t]]
-                else:  # a reshard: the ranks that said they hold the file, own copies first
-                    cands = [(c, t) for t in ("local", "replica") for c in range(self.world)
-                             if key in rec.held[c][t]]
-                pick = next(((c, t) for c, t in cands if c != r and c not in skip
-                             and not self._same_folder(c, r)), None)
-                if pick is not None:
-                    tag += 1
-                    plan.append((r, pick[0], tag, pick[1], key))
-
-        mine = [(d, t, tier, k) for d, c, t, tier, k in plan if c == self.rank]
-        datas = await asyncio.gather(*(
-            _mapped(self.store if tier == "local" else self.replica_store, k)
-            for _, _, tier, k in mine))
-        sends = [(d, t, data) for (d, t, _, _), data in zip(mine, datas, strict=True)]
-        del datas
-        recvs = [(c, t) for d, c, t, _, _ in plan if d == self.rank]
-        meta = {t: (c, tier, k) for d, c, t, tier, k in plan if d == self.rank}
-        peers = sorted({d for d, _, _ in sends} | {c for c, _ in recvs})
-        fetched = await self._gloo(self.link.exchange, sends, recvs,
-                                   f"recovery of {vid}: files to/from rank(s) {peers}")
-        sends.clear()
-        for t, blob in fetched.items():
-            c, tier, key = meta[t]
-            need = by_key[key]
-            # small files are hashed here whatever ``verify`` says: they are written into
-            # the node folder before the restore, and the run's config is not something the
-            # reader reads (the next save records it)
-            hashed = verify or len(blob) <= _SMALL
-            ok = intact(blob, need) if hashed else (
-                len(blob) > 0 and (need.bytes is None or len(blob) == need.bytes))
-            if ok:
-                rec.data[key], rec.sources[key] = blob, f"rank {c} ({tier})"
-                if hashed:
-                    rec.verified.add(key)
-            else:
-                rec.tried.setdefault(key, set()).add(c)
-                log.warning("%s: the copy from rank %d (%s) is damaged or missing; trying "
-                            "the next tier", key, c, tier)
+        while True:
+            wants = await self._gloo(
+                self.link.all_gather,
+                [(k, sorted(t for t in rec.tried.get(k, ()) if isinstance(t, int)))
+                 for k in missing if k not in rec.sources], "tiers: recovery needs")
+            plan = self._fetch_plan(rec, wants)
+            if not plan:  # every rank computed the same plan: all leave the loop together
+                break
+            await self._fetch_round(rec, plan, by_key, verify)
         rec.marks["peers"] = time.perf_counter() - rec.t0
         error: str | None = None
         for key in missing:
@@ -1159,6 +1276,67 @@ class Tiers:
         bad = [s for s in statuses if s is not None]
         if bad:
             raise DistributedError(f"tier recovery of {vid} failed: {bad[0]}")
+
+    def _fetch_plan(self, rec: Recovery, wants: list[list[tuple[str, list[int]]]]
+                    ) -> list[tuple[int, int, int, str, str]]:
+        """``(dst, src, tag, tier, key)`` for every file a rank wants from a peer this round:
+        the first holder (owner's node folder, then replica holders in order; with a
+        reshard, the ranks that announced it) that is not in the asker's own folders and
+        whose copy did not fail the asker before. The same plan, and tags, on every rank."""
+        plan: list[tuple[int, int, int, str, str]] = []
+        tag = 0
+        for r in range(self.world):
+            for key, skip in wants[r]:
+                if rec.held is None:  # the same world: the fixed mapping names the holders
+                    owner = owner_of(key)
+                    cands = [(owner, "local")] + [
+                        (h, "replica")
+                        for h in self.nodes.replica_holders(owner, self.tcfg.replicas)]
+                    cands = [(c, t) for c, t in cands if rec.vid in rec.inv[c][t]]
+                else:  # a reshard: the ranks that said they hold the file, own copies first
+                    cands = [(c, t) for t in ("local", "replica") for c in range(self.world)
+                             if key in rec.held[c][t]]
+                pick = next(((c, t) for c, t in cands if c != r and c not in skip
+                             and not self._same_folder(c, r)), None)
+                if pick is not None:
+                    tag += 1
+                    plan.append((r, pick[0], tag, pick[1], key))
+        return plan
+
+    async def _fetch_round(self, rec: Recovery, plan: list[tuple[int, int, int, str, str]],
+                           by_key: dict[str, Need], verify: bool) -> None:
+        """One exchange of ``plan``: this rank sends the copies asked of it (mapped, or an
+        empty message for one it cannot read) and checks the ones it receives; a copy that
+        is damaged or missing marks its sender as tried for that file."""
+        mine = [(d, t, tier, k) for d, c, t, tier, k in plan if c == self.rank]
+        datas = await asyncio.gather(*(
+            _mapped(self.store if tier == "local" else self.replica_store, k)
+            for _, _, tier, k in mine))
+        sends = [(d, t, data) for (d, t, _, _), data in zip(mine, datas, strict=True)]
+        del datas
+        recvs = [(c, t) for d, c, t, _, _ in plan if d == self.rank]
+        meta = {t: (c, tier, k) for d, c, t, tier, k in plan if d == self.rank}
+        peers = sorted({d for d, _, _ in sends} | {c for c, _ in recvs})
+        fetched = await self._gloo(self.link.exchange, sends, recvs,
+                                   f"recovery of {rec.vid}: files to/from rank(s) {peers}")
+        sends.clear()
+        for t, blob in fetched.items():
+            c, tier, key = meta[t]
+            need = by_key[key]
+            # small files are hashed here whatever ``verify`` says: they are written into
+            # the node folder before the restore, and the run's config is not something the
+            # reader reads (the next save records it)
+            hashed = verify or len(blob) <= _SMALL
+            ok = intact(blob, need) if hashed else (
+                len(blob) > 0 and (need.bytes is None or len(blob) == need.bytes))
+            if ok:
+                rec.data[key], rec.sources[key] = blob, f"rank {c} ({tier})"
+                if hashed:
+                    rec.verified.add(key)
+            else:
+                rec.tried.setdefault(key, set()).add(c)
+                log.warning("%s: the copy from rank %d (%s) is damaged or missing; trying "
+                            "the next holder", key, c, tier)
 
     async def _repair(self, rec: Recovery, mine: bool, round_: int) -> bool:
         """Collective, after a restore failed on some rank. A failed rank (``mine``) hashes
@@ -1199,11 +1377,14 @@ class Tiers:
         return damaged > 0
 
     async def _write(self, rec: Recovery, keys: list[str], store: LocalStore) -> None:
-        """Copies of ``keys`` into ``store`` (the node folder), now."""
+        """Copies of ``keys`` into ``store`` (the node folder), now; the ones it did not
+        hold before are remembered (:meth:`_undo`)."""
         for key in keys:
             data = rec.data.get(key)
             if data is None:  # a copy in this node's replica folder
                 data = await self.replica_store.get(key)
+            if not await store.exists(key):
+                rec.created.append(key)
             await store.put(key, data)
             rec.written.add(key)
 
@@ -1273,6 +1454,12 @@ class Recovery:
     #: for a version saved by another world size: the files each rank's node folder
     #: ("local") and replica folder ("replica") hold (:meth:`Tiers._held`); None otherwise
     held: list[dict[str, set[str]]] | None = None
+    #: the manifest's bytes (checked by :func:`confined_manifest`)
+    mdata: bytes = b""
+    #: whether this recovery wrote the manifest into the node folder, and the files it
+    #: wrote there that the folder did not hold (what :meth:`Tiers._undo` takes back)
+    manifest_created: bool = False
+    created: list[str] = field(default_factory=list)
 
     def overlay(self, replica: Store) -> dict[str, bytes | memoryview | Store]:
         """What the node folder serves from elsewhere while the reader restores."""
@@ -1317,13 +1504,14 @@ async def _get_or_none(store: Store, key: str) -> bytes | None:
         return None
 
 
-async def _write_meta(store: Store, payload: dict[str, Any]) -> None:
-    """The run's config file and the version's manifest (manifest last) into ``store``."""
+async def _write_meta(store: Store, payload: dict[str, Any], tier: str) -> None:
+    """The run's config file and the version's manifest (manifest last) into ``store``. The
+    manifest is written once: another version's manifest under this number there is a
+    :class:`KeyExists` (the save's own commit on node 0 wrote these very bytes)."""
     if payload["config_key"] is not None and not await store.exists(payload["config_key"]):
         with contextlib.suppress(KeyExists):
             await store.put_if_absent(payload["config_key"], payload["config"])
-    with contextlib.suppress(KeyExists):
-        await store.put_if_absent(payload["manifest_key"], payload["manifest"])
+    await put_once(store, payload["manifest_key"], payload["manifest"], tier)
 
 
 def _finish(res: TierResult, fut: concurrent.futures.Future[None]) -> None:

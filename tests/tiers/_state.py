@@ -1,4 +1,5 @@
-"""The small model + AdamW state the one-process tier tests save, and one training step."""
+"""The small model + AdamW state the one-process tier tests save, one training step, the run's
+config (run ``r1``) and bitwise snapshots of the state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mithril_async import parse_config
 from tests.manager.conftest import TinyNet
 
 
@@ -21,3 +23,20 @@ def train_step(state: dict[str, Any]) -> None:
     state["optimizer"].zero_grad()
     loss.backward()
     state["optimizer"].step()
+
+
+def run_config() -> Any:
+    return parse_config('[checkpointing]\nruns_path = "runs"\nrun_id = "r1"\n'
+                        "[checkpointing.compression]\nthreads = 1\n")
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Copies of every model and optimizer tensor, by name."""
+    out = {f"m.{k}": v.clone() for k, v in state["model"].state_dict().items()}
+    for i, s in enumerate(state["optimizer"].state.values()):
+        out.update({f"o{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,12 +1,15 @@
-"""One rank of the node-loss test (launched by ``launch()`` in test_node_loss.py).
+"""One rank of the node-loss tests (launched by ``launch()`` in test_node_loss.py).
 
-Four ranks are two "nodes" (``LOCAL_WORLD_SIZE=2``: ranks 0, 1 on node 0; 2, 3 on node 1),
-each node with its own local folder (``<tmp>/node{node}``), and the remote tier on a moto
-server the test started. Every rank writes what it saw to ``<out>/<what>_rank<r>.pt``:
+By default four ranks are two "nodes" (``LOCAL_WORLD_SIZE=2``: ranks 0, 1 on node 0; 2, 3 on
+node 1), each node with its own local folder (``<tmp>/node{node}``), one replica, and the
+remote tier on a moto server the test started; ``lws``, ``replicas`` and ``timeout`` (the
+tier layer's ``commit_timeout_s``) change that, and without ``bucket`` there is no remote
+tier. Every rank writes what it saw to ``<out>/<what>_rank<r>.pt``:
 
 - ``save``: three data-parallel steps, a save after each; the state saved at each step and
   the next random numbers (to check the RNG restore) are dumped, with the tiers each version
-  reached.
+  reached. ``eio``: ``[rank, key suffix]``: on that rank every read of that file fails with
+  EIO (a bad sector under one blob), so its replication must fail for that file alone.
 - ``restore``: a fresh model (other initial weights), ``Tiers.restore`` of ``latest``; dumps
   the restored state, the next random numbers, where each file came from, how many GETs
   reached the remote tier and the recovery's phases (a repair round shows as ``repair 1``).
@@ -17,6 +20,7 @@ server the test started. Every rank writes what it saw to ``<out>/<what>_rank<r>
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -60,12 +64,41 @@ def _config(a: dict[str, Any]) -> Any:
                         f"enabled = {str(a['compress']).lower()}\n")
 
 
-def _tiers(a: dict[str, Any]) -> tuple[Tiers, CountingStore]:
-    remote = CountingStore(open_store({"bucket": a["bucket"], "prefix": a["prefix"],
-                                       "endpoint_url": a["endpoint"], "max_attempts": 2}))
-    table = {"local": a["local"], "replicas": 1, "keep_local": 2, "keep_replicated": 2,
-             "commit_timeout_s": 60}
+def _tiers(a: dict[str, Any]) -> tuple[Tiers, CountingStore | None]:
+    remote = None
+    if a.get("bucket") is not None:
+        remote = CountingStore(open_store({"bucket": a["bucket"], "prefix": a["prefix"],
+                                           "endpoint_url": a["endpoint"], "max_attempts": 2}))
+    table = {"local": a["local"], "replicas": a.get("replicas", 1), "keep_local": 2,
+             "keep_replicated": 2, "commit_timeout_s": a.get("timeout", 60),
+             "upload": remote is not None}
     return Tiers(_config(a), table, remote=remote), remote
+
+
+class _UnreadableFile:
+    """An ``os`` whose ``open`` of a path ending in ``suffix`` for reading fails with EIO."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def open(self, path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        if str(path).endswith(self.suffix) and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return os.open(path, flags, mode, **kw)
+
+
+def _unreadable(suffix: str) -> None:
+    """Every read of the file ending in ``suffix`` fails with EIO in this process, through
+    the tier layer's own mapping and through the node store's reads."""
+    from mithril_async.storage import local as local_mod
+    from mithril_async.tiers import tiered
+
+    fs = _UnreadableFile(suffix)
+    local_mod.os = fs  # type: ignore[assignment]
+    tiered.os = fs  # type: ignore[assignment]
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -94,6 +127,8 @@ def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(a: dict[str, Any], rank: int) -> dict[str, Any]:
+    if a.get("eio") is not None and a["eio"][0] == rank:
+        _unreadable(a["eio"][1])
     torch.manual_seed(1000 + rank)
     state = _state(7)
     tiers, _ = _tiers(a)
@@ -124,7 +159,8 @@ def restore(a: dict[str, Any], rank: int) -> dict[str, Any]:
     mgr = tiers.manager(state)
     step = tiers.restore(mgr)
     seen = {"step": int(step), "snap": _snapshot(state), "next_rand": torch.rand(4),
-            "sources": dict(tiers.last_sources), "remote_gets": remote.gets,
+            "sources": dict(tiers.last_sources),
+            "remote_gets": None if remote is None else remote.gets,
             "phases": sorted(tiers.last_timings)}
     mgr.close()
     tiers.close()
@@ -133,7 +169,7 @@ def restore(a: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def run_rank(scenario: str, a: dict[str, Any], rank: int, world: int, port: int) -> None:
     os.environ.update(a["env"])
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["LOCAL_WORLD_SIZE"] = str(a.get("lws", 2))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))

@@ -4,6 +4,11 @@ One save run (three versions), then restarted jobs after: node 0's folder wiped 
 from node 1's replicas, no GET reaches the remote); node 0 wiped again and one replica on
 node 1 corrupted (that blob alone comes from the remote); both nodes wiped (everything from
 the remote). Each restore must give back, bit for bit, the state and RNG of the last save.
+
+Three ranks as three nodes with two replicas and no remote: one file that cannot be read
+(EIO) fails that version's replication for that file alone, on both sides, and the next
+version replicates; with node 0 lost and its first replica holder lacking a file, the
+second holder sends it.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.tiers._tier_worker"])
 
 
-def launch(scenario: str, args: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
-    codes = launch_ranks(_CTX, run_rank, WORLD,
-                         lambda r, port: (scenario, args, r, WORLD, port), timeout)
-    assert codes == [0] * WORLD, scenario
+def launch(scenario: str, args: dict[str, Any], timeout: float = 120, world: int = WORLD
+           ) -> list[dict[str, Any]]:
+    codes = launch_ranks(_CTX, run_rank, world,
+                         lambda r, port: (scenario, args, r, world, port), timeout)
+    assert codes == [0] * world, scenario
     out = Path(args["out"])
-    got = [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r in range(WORLD):
+    got = [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world)]
+    for r in range(world):
         (out / f"{scenario}_rank{r}.pt").unlink()
     return got
 
@@ -119,3 +125,40 @@ def test_node_loss(tmp_path: Path, moto: MotoS3, compress: bool) -> None:
     for r in range(WORLD):
         assert set(got[r]["sources"].values()) == {"remote"}
         assert got[r]["remote_gets"] >= 2
+
+
+def test_unreadable_file_and_second_replica_holder(tmp_path: Path) -> None:
+    """3 nodes, replicas = 2, no remote. Saving: on rank 0 every read of v000002's optimizer
+    shard fails with EIO: v000002's replication fails for that file, reported on every rank
+    (its owner could not read it, both holders did not get it), while the exchange completes
+    (nobody waits for a deadline, the tier group stays usable) and v000003 replicates. Then
+    node 0 is lost and node 1's copy of that shard of v000003 is gone: rank 0 gets it from
+    its second replica holder (node 2), every other file from the first, bit for bit."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shard = "versions/v000002/opt_shard_rank0000.bin"
+    args: dict[str, Any] = {"local": str(tmp_path / "node{node}"), "env": {}, "out": str(out),
+                            "compress": True, "lws": 1, "replicas": 2, "timeout": 30,
+                            "eio": [0, shard]}
+    saved = launch("save", args, world=3)
+    for r, s in enumerate(saved):
+        assert s["errors"]["v000001"] == {} and s["errors"]["v000003"] == {}, (r, s["errors"])
+        assert "replicated" in s["reached"]["v000003"], r
+        err = s["errors"]["v000002"]
+        assert set(err) == {"replicated"} and shard in err["replicated"], (r, err)
+        assert "unusable" not in err["replicated"] and "failed within" not in err["replicated"]
+    errors = saved[0]["errors"]["v000002"]["replicated"]
+    assert "rank 0: cannot read" in errors and "Input/output error" in errors
+    assert "rank 1: " in errors and "rank 2: " in errors  # both holders learnt it is missing
+
+    v3 = "runs/tiered/versions/v000003"
+    shutil.rmtree(tmp_path / "node0")
+    (tmp_path / "node1" / "replica" / v3 / "opt_shard_rank0000.bin").unlink()
+    got = launch("restore", {k: v for k, v in args.items() if k != "eio"}, world=3)
+    for r in range(3):
+        assert got[r]["step"] == 3
+        assert _same(got[r]["snap"], saved[r]["snap"][3]), f"rank {r} state differs"
+        assert torch.equal(got[r]["next_rand"], saved[r]["next_rand"][3]), f"rank {r} RNG"
+    src0 = got[0]["sources"]
+    assert src0.pop(f"{v3}/opt_shard_rank0000.bin") == "rank 2 (replica)"
+    assert set(src0.values()) == {"rank 1 (replica)"}

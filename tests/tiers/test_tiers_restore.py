@@ -20,60 +20,27 @@ import asyncio
 import errno
 import os
 import shutil
-import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from mithril_async import parse_config
 from mithril_async.errors import SaveFailed, ShapeMismatch, StorageError
 from mithril_async.storage import local as local_mod
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import Tiers
-from tests.tiers._state import tiny_state, train_step
+from tests.tiers._state import run_config, same, snapshot, tiny_state, train_step
+from tests.tiers._stores import CountingMemory, GatedRemote
 
 RUN = Path("runs/r1/versions")
-
-
-class CountingMemory(MemoryStore):
-    """A MemoryStore that counts its operations by name (GETs, HEADs, LISTs...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    async def _step(self, op: str, key: str) -> None:
-        self.ops[op] += 1
-        await super()._step(op, key)
-
-    def reads(self) -> int:
-        return self.ops["get"] + self.ops["get_range"] + self.ops["get_with_etag"]
-
-
-def _config() -> Any:
-    return parse_config('[checkpointing]\nruns_path = "runs"\nrun_id = "r1"\n'
-                        "[checkpointing.compression]\nthreads = 1\n")
-
-
-def _snap(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.clone() for k, v in state["model"].state_dict().items()}
-    for i, s in enumerate(state["optimizer"].state.values()):
-        out.update({f"o{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
-    return out
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
                ) -> tuple[dict[str, Any], CountingMemory, dict[int, dict[str, torch.Tensor]]]:
     remote = CountingMemory()
     table = {"local": str(tmp_path / "node{node}"), "replicas": 0, "keep_local": keep_local}
-    tiers = Tiers(_config(), table, remote=remote)
+    tiers = Tiers(run_config(), table, remote=remote)
     state = tiny_state(1)
     mgr = tiers.manager(state)
     saved = {}
@@ -81,7 +48,7 @@ def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
         train_step(state)
         res = mgr.save_nowait(step).result()
         assert res.tiers is not None and res.tiers.version_id == res.version_id
-        saved[step] = _snap(state)
+        saved[step] = snapshot(state)
     tiers.wait()
     mgr.close()
     tiers.close()
@@ -90,7 +57,7 @@ def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
 
 def _restore(table: dict[str, Any], remote: CountingMemory, seed: int = 5
              ) -> tuple[Tiers, Any, dict[str, Any], int]:
-    tiers = Tiers(_config(), table, remote=remote)
+    tiers = Tiers(run_config(), table, remote=remote)
     state = tiny_state(seed)
     mgr = tiers.manager(state)
     remote.ops.clear()
@@ -104,7 +71,7 @@ def test_damaged_local_copy_falls_through_to_the_remote_for_that_file_only(
     node = tmp_path / "node0"
     # untouched: everything from the own tier, the remote asked nothing (no GET, no HEAD)
     tiers, mgr, state, step = _restore(table, remote)
-    assert step == 2 and _same(_snap(state), saved[2])
+    assert step == 2 and same(snapshot(state), saved[2])
     assert set(tiers.last_sources.values()) == {"local"}
     assert remote.reads() == 0 and remote.ops["exists"] == 0 and remote.ops["size"] == 0
     mgr.close()
@@ -115,7 +82,7 @@ def test_damaged_local_copy_falls_through_to_the_remote_for_that_file_only(
     data[len(data) // 2] ^= 0x10
     blob.write_bytes(bytes(data))
     tiers, mgr, state, step = _restore(table, remote)
-    assert step == 2 and _same(_snap(state), saved[2])
+    assert step == 2 and same(snapshot(state), saved[2])
     assert tiers.last_sources["runs/r1/versions/v000002/opt_shard_rank0000.bin"] == "remote"
     assert sum(s == "remote" for s in tiers.last_sources.values()) == 1
     assert remote.reads() == 1
@@ -138,7 +105,7 @@ def test_lost_node_restores_from_the_remote_and_writes_the_copies_back(
     table, remote, saved = _saved_run(tmp_path)
     shutil.rmtree(tmp_path / "node0")
     tiers, mgr, state, step = _restore(table, remote)
-    assert step == 2 and _same(_snap(state), saved[2])
+    assert step == 2 and same(snapshot(state), saved[2])
     assert set(tiers.last_sources.values()) == {"remote"}
     tiers.wait()
     assert "written back (background)" in tiers.last_timings
@@ -162,7 +129,7 @@ def test_a_newer_version_only_on_the_remote_wins(tmp_path: Path) -> None:
     # the node's folder lost v3 (say, replaced by an older copy): v2 is the newest fast one
     shutil.rmtree(tmp_path / "node0" / RUN / "v000003")
     tiers, mgr, state, step = _restore(table, remote)
-    assert step == 3 and _same(_snap(state), saved[3])
+    assert step == 3 and same(snapshot(state), saved[3])
     assert {s for k, s in tiers.last_sources.items() if "/v000003/" in k} == {"remote"}
     assert remote.ops["exists"] >= 1  # the manifest of v3 was checked on the remote
     mgr.close()
@@ -171,7 +138,7 @@ def test_a_newer_version_only_on_the_remote_wins(tmp_path: Path) -> None:
 
 def test_restore_error_that_is_no_damaged_copy_is_raised(tmp_path: Path) -> None:
     table, remote, _ = _saved_run(tmp_path, steps=1)
-    tiers = Tiers(_config(), table, remote=remote)
+    tiers = Tiers(run_config(), table, remote=remote)
     mgr = tiers.manager(tiny_state(5, d=16))  # another model shape: no copy can fix that
     remote.ops.clear()
     with pytest.raises(ShapeMismatch, match=r"emb\.weight"):
@@ -185,7 +152,7 @@ def test_restore_error_that_is_no_damaged_copy_is_raised(tmp_path: Path) -> None
 def test_save_result_names_the_tiers_reached(tmp_path: Path) -> None:
     remote = MemoryStore()
     seen: list[Any] = []
-    tiers = Tiers(_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
+    tiers = Tiers(run_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
                   remote=remote)
     state = tiny_state(1)
     mgr = tiers.manager(state, on_save=seen.append)  # the user's callback still runs
@@ -218,27 +185,12 @@ class _DiskFull:
         return os.open(path, flags, mode, **kw)
 
 
-class _GatedRemote(MemoryStore):
-    """Holds every put of v000001's files until ``gate`` opens (an upload in flight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.waiting = threading.Event()
-
-    async def put(self, key: str, data: bytes | memoryview) -> None:
-        if "/v000001/" in key:
-            self.waiting.set()
-            await asyncio.to_thread(self.gate.wait, 60)
-        await super().put(key, data)
-
-
 def test_out_of_local_space_fails_that_save_and_keeps_the_upload_going(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = _DiskFull()
     monkeypatch.setattr(local_mod, "os", disk)
-    remote = _GatedRemote()
-    tiers = Tiers(_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
+    remote = GatedRemote()
+    tiers = Tiers(run_config(), {"local": str(tmp_path / "n{node}"), "replicas": 0},
                   remote=remote)
     state = tiny_state(1)
     mgr = tiers.manager(state)
@@ -277,14 +229,14 @@ def test_out_of_local_space_fails_that_save_and_keeps_the_upload_going(
 def test_strict_recover_hashes_and_writes_everything_before_it_returns(tmp_path: Path) -> None:
     table, remote, saved = _saved_run(tmp_path)
     shutil.rmtree(tmp_path / "node0")
-    tiers = Tiers(_config(), table, remote=remote)
+    tiers = Tiers(run_config(), table, remote=remote)
     state = tiny_state(5)
     mgr = tiers.manager(state)
     vid = tiers.recover()
     assert vid == "v000002" and set(tiers.last_sources.values()) == {"remote"}
     for key in tiers.last_sources:  # on disk before the restore, nothing in the background
         assert asyncio.run(remote.get(key)) == (tmp_path / "node0" / key).read_bytes()
-    assert mgr.restore_sync(vid) == 2 and _same(_snap(state), saved[2])
+    assert mgr.restore_sync(vid) == 2 and same(snapshot(state), saved[2])
     mgr.close()
     tiers.close()
 
@@ -296,7 +248,7 @@ def test_write_back_only_writes_copies_that_verify_whole(
     monkeypatch.setattr(tiered, "_SMALL", 0)  # nothing written before the restore
     table, remote, _ = _saved_run(tmp_path)
     shutil.rmtree(tmp_path / "node0")
-    tiers = Tiers(_config(), table, remote=remote)
+    tiers = Tiers(run_config(), table, remote=remote)
     mgr = tiers.manager(tiny_state(5))
     rec = tiers._loop.run(tiers._recover("latest", light=True))
     bad, good = (f"runs/r1/versions/v000002/{n}" for n in ("opt_shard_rank0000.bin",

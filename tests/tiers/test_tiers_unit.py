@@ -16,7 +16,7 @@ import torch
 from mithril_async import parse_config
 from mithril_async.errors import ConfigError, StorageError
 from mithril_async.manifest import BlobRef, VersionManifest
-from mithril_async.pipeline.reshard import Box
+from mithril_async.restore.reshard import Box
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import (
@@ -200,7 +200,7 @@ def test_failed_upload_is_reported_and_keeps_the_local_commit(tmp_path: Path) ->
     state = tiny_state(1)
     mgr = tiers.manager(state)
     train_step(state)
-    remote.inject_fault("put", StorageError("injected: bucket full"), times=1)
+    remote.inject_fault("put_if_absent", StorageError("injected: bucket full"), times=1)
     assert mgr.save_nowait(1).result().status == "committed"
     (res,) = tiers.wait()
     assert set(res.reached) == {"local"}
@@ -295,7 +295,7 @@ def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Pa
     versions = tmp_path / "n0" / "runs" / "r1" / "versions"
     mgr.save_nowait(1).result()
     tiers.wait()
-    remote.inject_fault("put", StorageError("injected: bucket unreachable"), times=2)
+    remote.inject_fault("put_if_absent", StorageError("injected: bucket unreachable"), times=2)
     for step in (2, 3):
         train_step(state)
         mgr.save_nowait(step).result()
