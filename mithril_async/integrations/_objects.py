@@ -1,4 +1,5 @@
-"""Opt-in pickling of the leaves a state skeleton cannot express (framework checkpoints).
+"""Framework checkpoint trees: opt-in pickling of the leaves a state skeleton cannot express,
+and snapshots that share nothing mutable with the live tree.
 
 The library stores state trees as tensors + a JSON skeleton and never pickles, so loading never
 runs code. Framework checkpoints (Lightning ``hyper_parameters``, DeepSpeed's loss scaler and
@@ -6,6 +7,11 @@ config objects) hold arbitrary Python objects that the frameworks themselves pic
 functions let an integration keep the tensors compressed and pickle *only* the leaves the
 skeleton cannot hold, each replaced by a one-key marker dict; unpickling happens only when the
 caller allows it, otherwise loading fails with a clear error.
+
+:func:`snapshot` copies a tree before a background write, so training may change the live
+objects the moment the save call returns: every tensor and numpy array is copied, containers
+are rebuilt, immutable leaves are shared, and any other leaf is refused (naming its path):
+nothing goes to the writer by reference.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from mithril_async.errors import InvalidFormat
+from mithril_async.errors import InvalidFormat, UnsupportedStateType
 
-__all__ = ["MARKER", "pack_objects", "unpack_objects"]
+__all__ = ["MARKER", "pack_objects", "snapshot", "unpack_objects"]
 
 MARKER = "__mithril_pickle__"
+#: the leaves a skeleton stores as they are; none of them can change in place
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size,
           np.integer, np.floating, np.bool_)
 _KEYS = (type(None), bool, int, float, str)
@@ -75,3 +82,35 @@ def unpack_objects(tree: Any, *, allow_pickle: bool, where: str) -> Any:
         return x
 
     return walk(tree)
+
+
+def snapshot(tree: Any) -> Any:
+    """A copy of ``tree`` sharing nothing mutable with it: tensors copied to CPU, numpy arrays
+    (of numbers) copied, dicts, lists and tuples rebuilt (subclasses as the plain type, as the
+    skeleton stores them), the immutable leaves of ``_PLAIN`` shared.
+
+    Any other leaf raises :class:`UnsupportedStateType` naming its path and type: it could
+    change after the copy was taken. Pickle such leaves first (:func:`pack_objects`), which
+    snapshots them too."""
+
+    def copy(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+            return np.array(x, copy=True, order="C", subok=False)
+        if isinstance(x, _PLAIN):  # before tuple: torch.Size is one
+            return x
+        if isinstance(x, dict):
+            return {k: copy(v, f"{path}/{k}" if path else str(k)) for k, v in x.items()}
+        if isinstance(x, list):
+            return [copy(v, f"{path}/{i}") for i, v in enumerate(x)]
+        if isinstance(x, tuple):
+            return tuple(copy(v, f"{path}/{i}") for i, v in enumerate(x))
+        what = ("a numpy array of Python objects" if isinstance(x, np.ndarray)
+                else f"a {type(x).__module__}.{type(x).__qualname__}")
+        raise UnsupportedStateType(
+            f"cannot snapshot {what} at {path!r} for a background write: only tensors, numpy "
+            "arrays of numbers, dicts, lists, tuples and plain scalars are copied (with "
+            "pickle_fallback=True the rest is pickled at the call)")
+
+    return copy(tree, "")

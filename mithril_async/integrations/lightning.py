@@ -19,7 +19,9 @@ folder holds what Lightning's IO would leave, so ``ckpt_path="last"`` resumes fr
 checkpoint. Encoding is about as fast as writing (multi-threaded), which is why this is the
 default.
 
-``asynchronous=True`` snapshots tensors to CPU and returns; encoding and the write run on one
+``asynchronous=True`` snapshots the checkpoint (tensors to CPU, numpy arrays copied, other
+leaves the skeleton holds are immutable; anything else is refused or, with
+``pickle_fallback``, pickled at the call) and returns; encoding and the write run on one
 background thread (one write in flight: the next call waits for it). The path is *reserved*
 before returning: a new path gets a small reservation file (so existence checks see it; its
 writer holds an exclusive ``flock`` on it until the real file is renamed over it), an existing
@@ -45,9 +47,13 @@ Objects the skeleton cannot express (arbitrary classes in ``hyper_parameters``) 
 ``UnsupportedStateType`` at save time, unless ``pickle_fallback=True`` pickles just those
 leaves (the tensors stay compressed).
 
-Errors are never swallowed: a failed background write is raised, as
+Errors are never swallowed: a failed background write is logged at ERROR level (logger
+``mithril_async``) when it fails, so it is seen even if no call follows (a
+``trainer.save_checkpoint`` after ``fit``, a process that exits), and raised, as
 :class:`~mithril_async.errors.SaveFailed` naming the path, by the next ``save_checkpoint``,
-``load_checkpoint``, ``remove_checkpoint``, ``wait`` or ``teardown`` call. Plain
+``load_checkpoint``, ``remove_checkpoint``, ``wait`` or ``teardown`` call; a ``teardown``
+while another exception propagates (Lightning tears down inside its handler of a failed
+``fit``) does not raise it over that exception. Plain
 ``torch.save`` checkpoints (files that are not MCKP) still load, so switching an existing run
 to this plugin is safe.
 
@@ -61,13 +67,16 @@ pickle, so unpickling it is running its author's code.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,7 +88,7 @@ from mithril_async.claims import owner_identity
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.state_dict import compress_state_dict
 from mithril_async.errors import ConfigError, InvalidFormat, SaveFailed
-from mithril_async.integrations._objects import pack_objects, unpack_objects
+from mithril_async.integrations._objects import pack_objects, snapshot, unpack_objects
 from mithril_async.pipeline.reader import read_tree_file
 from mithril_async.state import flatten_state, unflatten_state
 from mithril_async.storage.atomic import fsync_dir, temp_path, unlink_quiet, write_all
@@ -115,6 +124,7 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 STORAGE_OPTIONS: dict[str, type] = {"compression_level": int, "asynchronous": bool, "fsync": bool}
 
 _M = TypeVar("_M")
+log = logging.getLogger("mithril_async")
 
 
 # ------------------------------------------------------------------------ locked files
@@ -440,6 +450,8 @@ class _Write:
             _write_file(self.path, blob, durable=durable)
         except BaseException as err:  # raised by the next call on the training thread
             self.error = err
+            log.error("background checkpoint write to %s failed: %s (raised as SaveFailed by "
+                      "the plugin's next call)", self.path, err, exc_info=err)
             if self.reservation is not None and _same_file(self.reservation, self.path):
                 unlink_quiet(self.path)  # never leave a reservation of a failed write
         finally:
@@ -493,24 +505,6 @@ class MithrilCheckpointIO(CheckpointIO):
             self._swept.add(key)
             cleanup_folder(key)
 
-    @staticmethod
-    def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Copy every tensor to CPU now, so training may change the live ones at once."""
-
-        def copy(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return x.detach().to("cpu", copy=True)
-            if isinstance(x, dict):  # OrderedDict / AttributeDict come back as dict
-                return {k: copy(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [copy(v) for v in x]
-            if isinstance(x, tuple):
-                return tuple(copy(v) for v in x)
-            return x
-
-        out: dict[str, Any] = copy(checkpoint)
-        return out
-
     # ---------------------------------------------------------------- CheckpointIO
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
@@ -531,9 +525,9 @@ class MithrilCheckpointIO(CheckpointIO):
             save_checkpoint_file(checkpoint, dst, params=params, threads=self.threads,
                                  pickle_fallback=self.pickle_fallback, durable=durable)
             return
-        snap = self._snapshot(checkpoint)
-        if self.pickle_fallback:  # pickle now: the live objects may change after we return
-            snap, _ = pack_objects(snap)
+        if self.pickle_fallback:  # pickled now: the live objects may change after we return
+            checkpoint, _ = pack_objects(checkpoint)
+        snap = snapshot(checkpoint)  # every tensor and array copied, or the call refused
         flatten_state(snap)  # unsupported types fail here, on the caller's thread
         write = _Write(os.fspath(dst), _reserve(os.fspath(dst), durable=durable))
         thread = _WriteThread(target=write.run, name="mithril-lightning-write", daemon=True,
@@ -571,5 +565,13 @@ class MithrilCheckpointIO(CheckpointIO):
         self._finish_pending()
 
     def teardown(self) -> None:
-        """Join the in-flight write (Lightning calls this at the end of ``fit``)."""
-        self._finish_pending()
+        """Join the in-flight write and raise its error (Lightning calls this at the end of
+        ``fit``); called while another exception propagates (Lightning's handler of a failed
+        ``fit`` tears down too), the write's failure, logged when it happened, is not raised
+        over it."""
+        if sys.exc_info()[1] is None:
+            self._finish_pending()
+            return
+        # logged at ERROR by the write itself; the propagating error stays the one seen
+        with contextlib.suppress(SaveFailed):
+            self._finish_pending()

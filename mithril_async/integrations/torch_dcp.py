@@ -37,15 +37,31 @@ raw bytes for tiny tensors) carry no such hook: the default planner fails to unp
 
 Tiny tensors (under ``raw_below`` bytes, default :data:`RAW_BELOW`) stay ordinary DCP tensor
 items: compression cannot pay for its header there. ``raw_below=0`` compresses every tensor.
+
+**Decoded sizes are bounded before anything is allocated.** An MCKP blob may legitimately
+declare far more bytes than it holds (a constant plane is one byte), and any process that
+imported this module lets every ``torch.load(weights_only=True)`` call the decoder, so a
+planted 2 KB item could otherwise demand a GiB. Where the checkpoint's metadata is at hand
+(:class:`MithrilLoadPlanner`, :func:`decode_item` given ``dtype``/``shape``) the item must hold
+exactly the dtype and shape of its stored chunk, which must lie inside the tensor's size (the
+size DCP checks against the live tensor), and its pickle may decode one blob. Where it is not
+(DCP's default read path, any other ``torch.load``), the bytes decoded from one blob, over
+every call that passes it, are at most :data:`MAX_ITEM_RATIO` times the blob's size;
+:func:`encode_tensor` never writes an item beyond that. Anything more is an
+:class:`InvalidFormat` naming the item, raised before decoding.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import io
 import os
 import pickle
 import struct
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,12 +88,14 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from mithril_async.codec.chunk import CodecParams
+from mithril_async.codec.container import BLOCK_FIXED, HASH, INDEX_ENTRY, PLANE, TensorEntry
 from mithril_async.codec.dtypes import dtype_name, tensor_from_bytes
-from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
+from mithril_async.codec.state_dict import compress_state_dict, decode_tensors, read_info
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
 
-__all__ = ["RAW_BELOW", "MithrilLoadPlanner", "MithrilMetadata", "MithrilSavePlanner",
-           "dcp_to_torch_save", "decode_item", "encode_tensor", "mithril_compressed_tensor"]
+__all__ = ["MAX_ITEM_RATIO", "RAW_BELOW", "MithrilLoadPlanner", "MithrilMetadata",
+           "MithrilSavePlanner", "dcp_to_torch_save", "decode_item", "encode_tensor",
+           "mithril_compressed_tensor"]
 
 MCKP_MAGIC = b"MCKP"
 RAW_MAGIC = b"MRAW"
@@ -88,22 +106,43 @@ _RAW_HEAD = struct.Struct("<4sQ")  # magic, xxh64 of the raw bytes (items of old
 RAW_BELOW = 4096
 #: the layout of an item's ``torch.save`` wrapper (the second argument of the call)
 _ITEM_LAYOUT = 1
+#: without the checkpoint's metadata, one blob may decode to at most this many bytes per byte
+#: it holds (over every call that passes it); more is refused before anything is allocated
+MAX_ITEM_RATIO = 1 << 16
+#: the fewest bytes one chunk costs in a blob: a block header with one plane, its hash, a
+#: one-byte payload and its index entry. Chunks of at most MAX_ITEM_RATIO times this keep a
+#: blob within the ratio, whatever the tensor holds.
+_MIN_CHUNK_COST = BLOCK_FIXED.size + PLANE.size + HASH.size + 1 + INDEX_ENTRY.size
+#: the chunk size an item is coded again with when its first coding exceeds the ratio (only a
+#: near-constant tensor coded in chunks larger than this can)
+_RATIO_SAFE_CHUNK = 4 << 20
+assert _RATIO_SAFE_CHUNK <= MAX_ITEM_RATIO * _MIN_CHUNK_COST
 
 
 def mithril_compressed_tensor(blob: object, layout: object) -> torch.Tensor:
     """Decode one DCP item written by :class:`MithrilSavePlanner` (the function its pickle calls).
 
     Registered as a ``weights_only`` safe global: it only decodes bytes (every chunk hashed,
-    sizes bounded by the MCKP reader), so allowing it lets no pickle run anything else."""
+    sizes validated by the MCKP reader, the decoded size bounded before allocating: see the
+    module docs), so allowing it lets no pickle run anything else or allocate more than the
+    file accounts for."""
+    expected = _EXPECTED.get()  # set by decode_item, which knows the item's name
+    where = expected.where if expected is not None else "mithril_async DCP item"
     if layout != _ITEM_LAYOUT:
-        raise InvalidFormat(f"mithril_async DCP item: unknown layout {layout!r} (this "
+        raise InvalidFormat(f"{where}: unknown layout {layout!r} (this "
                             f"mithril_async reads layout {_ITEM_LAYOUT}; upgrade it)")
-    if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1):
-        raise InvalidFormat("mithril_async DCP item: the payload is not a 1-D uint8 tensor")
-    data = blob.contiguous().numpy().data.cast("B")
+    if not (isinstance(blob, torch.Tensor) and blob.dtype == torch.uint8 and blob.dim() == 1
+            and blob.device.type == "cpu" and blob.is_contiguous()):
+        # (a view of one byte repeated, stride 0, would be copied out at its full length)
+        raise InvalidFormat(f"{where}: the payload is not a contiguous 1-D uint8 CPU tensor")
+    data = blob.numpy().data.cast("B")
     if bytes(data[:4]) != MCKP_MAGIC:
-        raise InvalidFormat("mithril_async DCP item: the payload is not an MCKP blob")
-    return _decode_mckp(data, where="mithril_async DCP item")
+        raise InvalidFormat(f"{where}: the payload is not an MCKP blob")
+    if expected is not None:
+        return _decode_mckp(data, where=where, admit=expected.admit)
+    storage = blob.untyped_storage()
+    return _decode_mckp(data, where=where, admit=lambda entry, where: _charge(
+        entry, where, size=storage.nbytes(), storage=storage))
 
 
 torch.serialization.add_safe_globals([mithril_compressed_tensor])
@@ -128,11 +167,60 @@ class MithrilMetadata(Metadata):
     ``torch.load``'s weights-only unpickler: DCP's default readers then decode our items."""
 
 
-def _decode_mckp(data: memoryview, *, where: str) -> torch.Tensor:
-    tensors = decompress_state_dict(data)
-    if len(tensors) != 1:
-        raise InvalidFormat(f"{where}: expected one tensor in the item, got {len(tensors)}")
-    return next(iter(tensors.values()))
+class _Expected:
+    """What the checkpoint's metadata says one item holds: the item's blob must declare exactly
+    this dtype and shape, and only one blob may be decoded for it."""
+
+    def __init__(self, dtype: torch.dtype, shape: Sequence[int], where: str) -> None:
+        self.where = where
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.used = False
+
+    def admit(self, entry: TensorEntry, where: str) -> None:
+        if self.used:
+            raise InvalidFormat(f"{where}: the item decodes more than one blob")
+        self.used = True
+        want = dtype_name(self.dtype, where=where)
+        if (entry.dtype, entry.shape) != (want, self.shape):
+            raise InvalidFormat(f"{where}: the item declares {entry.dtype} {list(entry.shape)}, "
+                                f"the checkpoint's metadata says {want} {list(self.shape)}")
+
+
+#: set by :func:`decode_item` while ``torch.load`` runs an item's pickle with metadata at hand
+_EXPECTED: contextvars.ContextVar[_Expected | None] = contextvars.ContextVar(
+    "mithril_dcp_expected", default=None)
+#: decoded bytes charged to each live blob storage (a pickle may pass one blob many times)
+_SPENT: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_SPENT_LOCK = threading.Lock()
+
+
+def _charge(entry: TensorEntry, where: str, *, size: int, storage: object = None) -> None:
+    """Refuse ``entry`` when it, with what was decoded from ``storage`` before, exceeds
+    :data:`MAX_ITEM_RATIO` times the blob's ``size``; else charge it to ``storage``."""
+    with _SPENT_LOCK:
+        spent = entry.nbytes + (_SPENT.get(storage, 0) if storage is not None else 0)
+        if spent > size * MAX_ITEM_RATIO:
+            raise InvalidFormat(
+                f"{where}: a {size}-byte blob declares {spent} decoded bytes, more than "
+                f"{MAX_ITEM_RATIO} times its size (no item this module writes does); refused "
+                "before decoding. MithrilLoadPlanner bounds items by the checkpoint's metadata "
+                "instead")
+        if storage is not None:
+            _SPENT[storage] = spent
+
+
+def _decode_mckp(data: memoryview, *, where: str,
+                 admit: Callable[[TensorEntry, str], None]) -> torch.Tensor:
+    """The one tensor of an item's MCKP blob; ``admit`` sees its header entry first and raises
+    to refuse it, before any of it is allocated."""
+    info = read_info(data)  # whole-blob hash, every header size and offset validated
+    if len(info.tensors) != 1:
+        raise InvalidFormat(f"{where}: expected one tensor in the item, got {len(info.tensors)}")
+    entry = info.tensors[0]
+    admit(entry, where)
+    return decode_tensors(info, lambda r: data[r.offset:r.offset + r.length],
+                          verify_payload=False)[entry.name]  # the whole-blob hash covers them
 
 
 def encode_tensor(t: torch.Tensor, *, name: str = "t", params: CodecParams | None = None,
@@ -140,10 +228,13 @@ def encode_tensor(t: torch.Tensor, *, name: str = "t", params: CodecParams | Non
     """One tensor (chunk) as DCP item bytes: a ``torch.save`` file that holds its MCKP blob
     and decodes it when loaded (see the module docs)."""
     t = t.detach().cpu().contiguous()
-    blob = bytearray(compress_state_dict({name: t}, params=params or CodecParams(),
-                                         threads=threads))
+    p = params or CodecParams()
+    blob = compress_state_dict({name: t}, params=p, threads=threads)
+    if t.numel() * t.element_size() > len(blob) * MAX_ITEM_RATIO:  # near-constant, big chunks
+        blob = compress_state_dict({name: t}, threads=threads, params=dataclasses.replace(
+            p, chunk_bytes=min(p.chunk_bytes, _RATIO_SAFE_CHUNK)))
     buf = io.BytesIO()
-    torch.save(_Packed(torch.frombuffer(blob, dtype=torch.uint8)), buf)
+    torch.save(_Packed(torch.frombuffer(bytearray(blob), dtype=torch.uint8)), buf)
     return buf.getvalue()
 
 
@@ -152,11 +243,15 @@ def decode_item(data: bytes | memoryview, *, where: str, dtype: torch.dtype | No
     """Inverse of :func:`encode_tensor`; plain ``torch.save`` items and the bare ``MCKP`` /
     ``MRAW`` items of older versions are read too.
 
-    ``dtype``/``shape`` (from the DCP metadata) are needed only for ``MRAW`` items."""
+    ``dtype``/``shape``: the item's stored chunk as the DCP metadata records it; a compressed
+    item must hold exactly that (checked before decoding). Without them its decoded size is
+    bounded by :data:`MAX_ITEM_RATIO` times its blob's; ``MRAW`` items need them."""
     mv = memoryview(data).cast("B")
     magic = bytes(mv[:4])
+    expected = None if dtype is None or shape is None else _Expected(dtype, shape, where)
     if magic == MCKP_MAGIC:
-        return _decode_mckp(mv, where=where)
+        return _decode_mckp(mv, where=where, admit=expected.admit if expected else (
+            lambda entry, where: _charge(entry, where, size=len(mv))))
     if magic == RAW_MAGIC:
         if dtype is None or shape is None:
             raise InvalidFormat(f"{where}: raw item but no tensor metadata to interpret it")
@@ -169,6 +264,7 @@ def decode_item(data: bytes | memoryview, *, where: str, dtype: torch.dtype | No
             raise ChecksumMismatch(where, f"{digest:016x}", f"{got:016x}")
         buf = np.frombuffer(payload, np.uint8).copy()
         return tensor_from_bytes(buf, dtype_name(dtype), tuple(shape), where=where)
+    token = _EXPECTED.set(expected)  # what the item's pickle may decode
     try:
         loaded = torch.load(io.BytesIO(bytes(mv)), map_location="cpu", weights_only=True)
     except (InvalidFormat, ChecksumMismatch):
@@ -176,6 +272,8 @@ def decode_item(data: bytes | memoryview, *, where: str, dtype: torch.dtype | No
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         raise InvalidFormat(f"{where}: item is neither a mithril blob nor a saved tensor "
                             f"({err})") from err
+    finally:
+        _EXPECTED.reset(token)
     if not isinstance(loaded, torch.Tensor):
         raise InvalidFormat(f"{where}: item is neither a mithril blob nor a saved tensor")
     return loaded
@@ -289,11 +387,23 @@ class MithrilLoadPlanner(DefaultLoadPlanner):
         return dataclasses.replace(plan, items=items)
 
     def _chunk_meta(self, index: MetadataIndex) -> tuple[torch.dtype | None, torch.Size | None]:
+        """The dtype and size of the stored chunk ``index`` names, as the metadata records it.
+
+        A chunk reaching outside its tensor's size is :class:`InvalidFormat`: that size is
+        what DCP compares with the live tensor, so it bounds what an item may decode to."""
         md = self.metadata.state_dict_metadata.get(index.fqn) if self.metadata else None
         if not isinstance(md, TensorStorageMetadata):
             return None, None
         for chunk in md.chunks:
             if index.offset is None or tuple(chunk.offsets) == tuple(index.offset):
+                dims = len(md.size)
+                if (len(chunk.offsets) != dims or len(chunk.sizes) != dims
+                        or any(o < 0 or n < 0 or o + n > d for o, n, d
+                               in zip(chunk.offsets, chunk.sizes, md.size, strict=True))):
+                    raise InvalidFormat(
+                        f"{index.fqn}: the checkpoint's metadata places a chunk of size "
+                        f"{list(chunk.sizes)} at {list(chunk.offsets)}, outside the tensor's "
+                        f"size {list(md.size)}")
                 return md.properties.dtype, chunk.sizes
         return md.properties.dtype, None
 

@@ -10,9 +10,14 @@ marker or the outside file was never touched, and, where memory is the point, th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import io
 import json
 import os
 import pathlib
+import pickle
+import re
 import shutil
 import stat
 import subprocess
@@ -158,20 +163,35 @@ def test_header_json_bomb_is_refused_before_parsing(tmp_path: Path,
         assert "declares" in capsys.readouterr().err
 
 
-def _const_gib_blob(skeleton: Any) -> bytes:
-    """A valid MCKP blob of ~800 bytes whose only tensor is 1 GiB of zeros: one chunk, one
-    constant plane, every hash right (the raw hash is of the GiB it decodes to)."""
+@functools.cache
+def _zeros_hash(n: int) -> int:
+    """XXH3-64 of ``n`` zero bytes (the raw hash of a chunk of zeros), computed once per size."""
     h = xxhash.xxh3_64()
     zeros = bytes(1 << 20)
-    for _ in range(GIB >> 20):
+    for _ in range(n >> 20):
         h.update(zeros)
-    meta = ChunkMeta(transform=0, width=1, raw_size=GIB, raw_xxh64=h.intdigest(),
+    h.update(bytes(n & ((1 << 20) - 1)))
+    return h.intdigest()
+
+
+def _const_blob(dtype: str, shape: tuple[int, ...],
+                metadata: dict[str, Any] | None = None) -> bytes:
+    """A valid MCKP blob of a few hundred bytes whose only tensor is zeros of ``dtype`` and
+    ``shape`` (at most 1 GiB): one chunk, one constant plane, every hash right (the raw hash
+    is of the bytes it decodes to)."""
+    entry = TensorEntry.make("w", dtype, shape, GIB)
+    meta = ChunkMeta(transform=0, width=1, raw_size=entry.nbytes,
+                     raw_xxh64=_zeros_hash(entry.nbytes),
                      payload_xxh64=xxhash.xxh3_64_intdigest(b"\0"),
                      planes=((int(PlaneMethod.CONST), 1),))
-    writer = MckpWriter([TensorEntry.make("w", "uint8", (GIB,), GIB)], params={"level": 3},
-                        metadata={"mithril.skeleton": json.dumps(skeleton),
-                                  "mithril.item": "model"})
+    writer = MckpWriter([entry], params={"level": 3}, metadata=metadata)
     return writer.begin() + writer.add(0, 0, EncodedChunk(meta, (b"\0",))) + writer.finish()
+
+
+def _const_gib_blob(skeleton: Any) -> bytes:
+    """A valid MCKP blob of ~800 bytes whose only tensor is 1 GiB of zeros."""
+    return _const_blob("uint8", (GIB,), {"mithril.skeleton": json.dumps(skeleton),
+                                         "mithril.item": "model"})
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +283,119 @@ def test_verify_holds_one_tensor_at_a_time(tmp_path: Path) -> None:
     rc, peak = _peak(lambda: main(["verify", str(tmp_path / "runs" / "r")]))
     assert rc == 0
     assert peak < 32 << 20, f"{peak >> 20} MiB for 64 MiB of tensors"
+
+
+# ---------------------------------------------------------------- DCP: the registered decoder
+
+
+class _Call:
+    """Pickles as a call of the DCP decoder on ``blob``: what a planted ``.distcp`` item holds
+    (``torch.load(weights_only=True)`` runs it in any process that imported the module)."""
+
+    def __init__(self, blob: torch.Tensor) -> None:
+        self.blob = blob
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from mithril_async.integrations.torch_dcp import mithril_compressed_tensor
+
+        return mithril_compressed_tensor, (self.blob, 1)
+
+
+def _saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _u8(blob: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _dcp_checkpoint(folder: Path, item: bytes, chunk: tuple[int, int] | None) -> None:
+    """A real checkpoint of ``w`` (64 x 64 fp32) whose item for ``w`` is replaced by ``item``
+    (a file of its own, the ``.metadata`` pointed at it), and optionally its recorded chunk
+    size by ``chunk``, as a hostile copy of the folder would."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from mithril_async.integrations.torch_dcp import MithrilSavePlanner
+
+    dcp.save({"w": torch.randn(64, 64), "step": 1}, storage_writer=dcp.FileSystemWriter(folder),
+             planner=MithrilSavePlanner())
+    (folder / "__planted.distcp").write_bytes(item)
+    md = pickle.loads((folder / ".metadata").read_bytes())  # written just above: ours
+    index = next(i for i in md.storage_data if i.fqn == "w")
+    md.storage_data[index] = dataclasses.replace(md.storage_data[index], offset=0,
+                                                 relative_path="__planted.distcp",
+                                                 length=len(item))
+    if chunk is not None:
+        md.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(
+            offsets=torch.Size([0, 0]), sizes=torch.Size(chunk))
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize(("plant", "planner", "refusal"), [
+    ("gib", "default", "more than 65536 times its size"),
+    ("gib", "mithril", r"declares uint8 \[1073741824\], the checkpoint's metadata says float32"),
+    ("grown-chunk", "default", "more than 65536 times its size"),
+    ("grown-chunk", "mithril", r"chunk of size \[4194304, 64\] .* outside the tensor's size"),
+], ids=["gib-default", "gib-ours", "grown-chunk-default", "grown-chunk-ours"])
+def test_dcp_item_declaring_a_gib_is_refused_before_allocating(
+        tmp_path: Path, plant: str, planner: str, refusal: str) -> None:
+    """A 2 KB ``.distcp`` item whose blob declares 1 GiB of zeros, loaded by ``dcp.load``
+    with DCP's default planner (the registered decoder inside ``torch.load``, bounded by the
+    blob's size) and with ours (bounded by the checkpoint's metadata: the item must hold the
+    chunk's dtype and shape, and the chunk must lie inside the tensor, which DCP compares
+    with the live one). ``grown-chunk`` also grows the chunk the metadata records to match."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mithril_async.integrations.torch_dcp import MithrilLoadPlanner
+
+    shape = (GIB,) if plant == "gib" else (GIB >> 8, 64)
+    item = _saved(_Call(_u8(_const_blob("uint8" if plant == "gib" else "float32", shape))))
+    assert len(item) < 2100
+    _dcp_checkpoint(tmp_path / "c", item, None if plant == "gib" else shape)  # type: ignore[arg-type]
+    sd = {"w": torch.zeros(64, 64), "step": 0}
+    kwargs = {"planner": MithrilLoadPlanner()} if planner == "mithril" else {}
+
+    def load() -> BaseException | None:
+        try:
+            dcp.load(sd, checkpoint_id=tmp_path / "c", **kwargs)
+        except CheckpointException as err:
+            return next(iter(err.failures.values()))[0]  # (exception, traceback) of rank 0
+        return None
+
+    err, peak = _peak(load)
+    assert peak < 64 << 20, f"{peak >> 20} MiB allocated for a {len(item)}-byte item"
+    assert isinstance(err, InvalidFormat) and re.search(refusal, str(err)), err
+    assert torch.equal(sd["w"], torch.zeros(64, 64))
+
+
+def test_planted_item_loaded_anywhere_is_bounded_by_its_size(tmp_path: Path) -> None:
+    """Any ``torch.load(weights_only=True)`` in a process that imported the DCP module: the
+    2 KB item declaring a GiB; one blob passed to the decoder twice (each call within the
+    bound, together not); a one-byte storage viewed as a GiB (stride 0)."""
+    import mithril_async.integrations.torch_dcp as td
+
+    small = _const_blob("uint8", (16 << 20,))
+    assert 16 << 20 <= len(small) * td.MAX_ITEM_RATIO < 32 << 20  # one call fits, two do not
+    blob = _u8(small)
+    plants = {
+        "gib": (_saved(_Call(_u8(_const_blob("uint8", (GIB,))))), "times its size", 64),
+        "twice": (_saved([_Call(blob), _Call(blob)]), "times its size", 28),
+        "stride-0": (_saved(_Call(torch.tensor([77], dtype=torch.uint8).expand(GIB))),
+                     "not a contiguous", 64),
+    }
+    for name, (item, refusal, mib) in plants.items():
+        path = tmp_path / f"{name}.distcp"
+        path.write_bytes(item)
+        err, peak = _peak(lambda path=path: torch.load(path, weights_only=True))  # type: ignore[misc]
+        assert isinstance(err, InvalidFormat) and refusal in str(err), (name, err)
+        assert peak < mib << 20, (name, peak >> 20)
+    one = torch.load(io.BytesIO(_saved(_Call(blob))), weights_only=True)  # within the bound
+    assert one.shape == (16 << 20,) and not one.any()
 
 
 # ---------------------------------------------------------------- 9. paths leaving the run

@@ -8,7 +8,9 @@ names ``ModelCheckpoint`` produces (``-vN`` versioning by existence, ``save_last
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,13 +19,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 L = pytest.importorskip("lightning")
 
 import mithril_async.integrations.lightning as ml  # noqa: E402
-from mithril_async.errors import ConfigError, InvalidFormat, SaveFailed  # noqa: E402
+from mithril_async.errors import (  # noqa: E402
+    ConfigError,
+    InvalidFormat,
+    SaveFailed,
+    UnsupportedStateType,
+)
 from mithril_async.integrations.lightning import (  # noqa: E402
     RESERVED_MAGIC,
     MithrilCheckpointIO,
@@ -123,6 +131,46 @@ def test_async_save_reserves_the_path_and_readers_wait(tmp_path: Path,
     assert not _writer_threads() and _names(tmp_path) == ["a.ckpt"]
 
 
+def test_async_snapshot_copies_every_mutable_leaf(tmp_path: Path,
+                                                  gate: threading.Event) -> None:
+    """Whatever the training loop changes after save_checkpoint returns (numpy arrays and
+    views of them, arrays in nested containers, tensors) stays out of the file; immutable
+    leaves keep their type (torch.Size)."""
+    io = MithrilCheckpointIO(asynchronous=True)
+    path = tmp_path / "a.ckpt"
+    arr, w = np.arange(6, dtype=np.float32), torch.arange(4.0)
+    ck = {"np": arr, "view": arr[::2], "loops": {"state": [np.zeros(3, np.int64)]}, "w": w,
+          "shape": torch.Size([2, 3]), "n": np.int64(5), "t": (1, "x")}
+    io.save_checkpoint(ck, path)
+    arr += 100  # training goes on while the write is held
+    ck["loops"]["state"][0][:] = 7  # type: ignore[index]
+    w.add_(1)
+    gate.set()
+    io.wait()
+    back = io.load_checkpoint(path)
+    assert np.array_equal(back["np"], np.arange(6, dtype=np.float32))
+    assert np.array_equal(back["view"], np.arange(6, dtype=np.float32)[::2])
+    assert np.array_equal(back["loops"]["state"][0], np.zeros(3, np.int64))
+    assert torch.equal(back["w"], torch.arange(4.0))
+    assert type(back["shape"]) is torch.Size and back["shape"] == (2, 3)
+    assert back["n"] == 5 and back["t"] == (1, "x")
+
+
+def test_async_save_refuses_what_it_cannot_snapshot(tmp_path: Path) -> None:
+    """A numpy array of Python objects cannot be copied safely: refused at the call, naming
+    it; with pickle_fallback it is pickled at the call, so later changes stay out too."""
+    cells = np.array([{"a": 1}, None], dtype=object)
+    ck = {"loops": {"cells": cells}, "w": torch.ones(2)}
+    with pytest.raises(UnsupportedStateType, match=r"numpy array of Python objects.*loops/cells"):
+        MithrilCheckpointIO(asynchronous=True).save_checkpoint(ck, tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+    io = MithrilCheckpointIO(asynchronous=True, pickle_fallback=True)
+    io.save_checkpoint(ck, tmp_path / "b.ckpt")
+    cells[0]["a"] = 2
+    io.wait()
+    assert io.load_checkpoint(tmp_path / "b.ckpt")["loops"]["cells"][0] == {"a": 1}
+
+
 def test_async_overwrite_keeps_previous_until_renamed(tmp_path: Path,
                                                       gate: threading.Event) -> None:
     path = tmp_path / "last.ckpt"
@@ -155,18 +203,59 @@ def test_remove_of_in_flight_file_never_resurrects_it(tmp_path: Path,
     assert not path.exists() and not _writer_threads()
 
 
-def test_pending_write_completes_at_process_exit(tmp_path: Path) -> None:
-    """Saving outside fit and exiting without teardown/wait: the write still completes."""
-    path = tmp_path / "exit.ckpt"
-    code = ("import sys, torch\n"
-            "from mithril_async.integrations.lightning import MithrilCheckpointIO\n"
-            "io = MithrilCheckpointIO(asynchronous=True)\n"
-            "io.save_checkpoint({'w': torch.arange(1 << 20, dtype=torch.float32)}, sys.argv[1])\n")
+_EXIT_CHILD = """
+import sys, torch
+import mithril_async.integrations.lightning as ml
+encode = ml._encode
+def full_disk(checkpoint, **kwargs):  # fails the write of the checkpoint marked "fail"
+    if "fail" in checkpoint:
+        raise OSError(28, "No space left on device")
+    return encode(checkpoint, **kwargs)
+ml._encode = full_disk
+ml.MithrilCheckpointIO(asynchronous=True).save_checkpoint({"fail": 1}, sys.argv[2])
+ml.MithrilCheckpointIO(asynchronous=True).save_checkpoint(
+    {"w": torch.arange(1 << 20, dtype=torch.float32)}, sys.argv[1])
+"""
+
+
+def test_pending_writes_finish_or_are_reported_at_process_exit(tmp_path: Path) -> None:
+    """Saving outside fit and exiting without teardown/wait: a write still completes, and a
+    failed one (no later call to raise it) is reported on stderr at ERROR level."""
+    path, failed = tmp_path / "exit.ckpt", tmp_path / "failed.ckpt"
     env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent)}
-    subprocess.run([sys.executable, "-c", code, str(path)], env=env, check=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(path), str(failed)], env=env,
+                          capture_output=True, text=True, check=True, timeout=300)
     assert torch.equal(load_checkpoint_file(path)["w"],
                        torch.arange(1 << 20, dtype=torch.float32))
-    assert _names(tmp_path) == ["exit.ckpt"]
+    assert _names(tmp_path) == ["exit.ckpt"]  # the failed write left no reservation
+    assert re.search(r"background checkpoint write to \S*failed\.ckpt failed: .*No space",
+                     proc.stderr), proc.stderr
+
+
+def test_teardown_raises_a_failed_write_unless_another_error_propagates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The end of fit raises a failed write; Lightning's handler of a failed fit also calls
+    teardown, and there the training error stays the one raised (the write's is logged)."""
+    def boom(*_: Any, **__: Any) -> bytes:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ml, "_encode", boom)
+    io = MithrilCheckpointIO(asynchronous=True)
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
+    with pytest.raises(SaveFailed, match=r"a\.ckpt.*No space"):
+        io.teardown()
+    caplog.set_level(logging.ERROR, logger="mithril_async")
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b.ckpt")
+    with pytest.raises(ZeroDivisionError):
+        try:
+            1 / 0  # noqa: B018  # the training step's error
+        except ZeroDivisionError:
+            io.teardown()
+            raise
+    assert any(r.levelno == logging.ERROR and "b.ckpt" in r.getMessage()
+               and "No space" in r.getMessage() for r in caplog.records), caplog.records
+    assert io._pending is None and not _writer_threads()
 
 
 def test_failed_background_write_is_raised_and_leaves_nothing(

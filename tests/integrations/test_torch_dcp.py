@@ -248,6 +248,40 @@ def test_hostile_item_call_is_refused() -> None:
         mithril_compressed_tensor(torch.zeros(8, dtype=torch.uint8), 1)
 
 
+def test_constant_tensor_in_big_chunks_stays_within_the_decode_bound(tmp_path: Path) -> None:
+    """Where no metadata is at hand an item may decode to at most MAX_ITEM_RATIO times its
+    blob; a constant tensor coded in 64 MiB chunks would exceed it, so the planner codes that
+    item in smaller chunks, and DCP's default planner (the bounded path) still reads it."""
+    from mithril_async.integrations.torch_dcp import MAX_ITEM_RATIO
+
+    z = torch.zeros(40 << 20, dtype=torch.uint8)
+    dcp.save({"z": z}, storage_writer=dcp.FileSystemWriter(tmp_path / "c"),
+             planner=MithrilSavePlanner(chunk_mib=64))
+    item = next((tmp_path / "c").glob("*.distcp")).read_bytes()
+    assert z.numel() <= len(item) * MAX_ITEM_RATIO < 64 * z.numel()  # small, yet within
+    back = {"z": torch.ones_like(z)}
+    dcp.load(back, checkpoint_id=tmp_path / "c")  # DCP's default planner
+    assert not back["z"].any()
+    assert torch.equal(torch.load(io.BytesIO(encode_tensor(torch.ones(3000))), weights_only=True),
+                       torch.ones(3000))  # an ordinary item is coded once, as before
+
+
+def test_item_must_hold_what_the_metadata_says() -> None:
+    """With the chunk's dtype and shape at hand, an item holding anything else is refused
+    before decoding (whichever layout); without them the ratio bound applies."""
+    from mithril_async.codec.state_dict import compress_state_dict
+    from mithril_async.errors import InvalidFormat
+
+    t = torch.randn(64, 64)
+    for data in (encode_tensor(t), compress_state_dict({"t": t})):
+        assert torch.equal(decode_item(data, where="w", dtype=torch.float32, shape=t.shape), t)
+        with pytest.raises(InvalidFormat, match=r"w: the item declares float32 \[64, 64\], the "
+                                                r"checkpoint's metadata says float32 \[32, 64\]"):
+            decode_item(data, where="w", dtype=torch.float32, shape=torch.Size([32, 64]))
+        with pytest.raises(InvalidFormat, match="metadata says bfloat16"):
+            decode_item(data, where="w", dtype=torch.bfloat16, shape=t.shape)
+
+
 _WORKER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     import torch.distributed.checkpoint as dcp
