@@ -216,6 +216,11 @@ class Fault:
     answers a CompleteMultipartUpload whose ``<ETag>`` is empty with the ETag S3 defines
     (MD5 of the parts' binary MD5s, ``-<parts>``), computed from the parts the request lists,
     in the body and as an ``ETag`` header.
+    Servers or relays the store must see through: ``"ignore_if_match"`` (the request is
+    forwarded without its ``If-Match`` header: a server that ignores it, which the
+    conditional-write probe must catch) and
+    ``"no_etag"`` (forward, then drop the ``ETag`` header of the answer: a successful PUT
+    answered without its ETag).
     ``times=None`` fails forever."""
 
     match: Callable[[ProxyRequest], bool]
@@ -227,7 +232,7 @@ class Fault:
 
 #: actions that forward the request upstream (so its body is read first)
 _FORWARDED = ("pass", "delay", "truncate", "empty_etag", "unquoted_if_match", "missing_412",
-              "rgw_if_match", "fill_etag")
+              "rgw_if_match", "fill_etag", "ignore_if_match", "no_etag")
 _ETAG_ELEMENT = re.compile(rb"<ETag>.*?</ETag>", re.DOTALL)
 _PART_ETAG = re.compile(rb"<ETag>\s*(?:&quot;|\")?([0-9a-fA-F]{32})(?:&quot;|\")?\s*</ETag>")
 
@@ -418,6 +423,14 @@ class FaultProxy:
                                               b"<ETag>%s</ETag>" % etag.replace(b'"', b"&quot;"))
                     response = _with_body(head + b"\r\nETag: " + etag + b"\r\n\r\n", payload)
                 writer.write(response)
+            elif action == "ignore_if_match":  # a server that never looks at If-Match
+                lines = [ln for ln in lines if not ln.lower().startswith("if-match:")]
+                writer.write(await self._forward(lines, headers, body))
+            elif action == "no_etag":  # the answer, without its ETag header
+                head, sep, payload = (await self._forward(lines, headers, body)).partition(
+                    b"\r\n\r\n")
+                kept = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"etag:")]
+                writer.write(b"\r\n".join(kept) + sep + payload)
             elif action in ("unquoted_if_match", "missing_412", "rgw_if_match"):
                 writer.write(await self._quirky_conditional(action, lines, headers, body))
             else:

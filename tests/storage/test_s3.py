@@ -43,7 +43,7 @@ from mithril_async.testing.store import StoreTests
 from mithril_async.testing.store import run as run_with_store
 from tests import rgw_server
 from tests.rgw_server import CephRGW, RGWUnavailable
-from tests.s3_server import SMALL_PART, FaultProxy, S3Server, fault_proxy
+from tests.s3_server import SMALL_PART, FaultProxy, MotoS3, S3Server, fault_proxy
 from tests.storage.factories import S3Factory
 
 
@@ -393,6 +393,63 @@ def test_emulated_conditional_writes_are_flagged_and_logged(
 
 # -- quirks of real S3-compatible servers (Ceph RGW), played by the proxy ----------------------
 IF_MATCH_PUT = lambda r: r.method == "PUT" and "if-match" in r.headers  # noqa: E731
+
+
+def test_a_server_ignoring_if_match_gets_the_logged_fallback(
+    moto_server: MotoS3, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that honours ``If-None-Match`` but ignores ``If-Match`` must not be trusted
+    with compare-and-swap: the probe's PUT with a wrong ``If-Match`` is stored there, so the
+    store falls back (logged) and a stale ETag still loses instead of overwriting. On moto
+    only: the proxy plays the server by dropping the header, which RGW refuses since the
+    request's signature covers it."""
+    with fault_proxy(moto_server) as proxy:
+        f = via_proxy(S3Factory(moto_server, moto_server.unique_prefix("s3")), proxy)
+        quirk = proxy.fail(IF_MATCH_PUT, "ignore_if_match", times=None)
+        with caplog.at_level(logging.WARNING, logger="mithril_async.storage.s3"):
+            run(_cas_against_a_server_ignoring_if_match, f)
+        assert quirk.hits == 1  # the probe's: the fallback sends no If-Match
+    assert "ignores If-Match" in caplog.text and "NON-ATOMIC" in caplog.text
+
+
+async def _cas_against_a_server_ignoring_if_match(s: S3Store) -> None:
+    assert await s.detect_conditional_writes() is False
+    assert s.conditional_writes == "emulate" and s.atomic_conditional_writes is False
+    await s.put("alias", b"v0")
+    _, tag = await s.get_with_etag("alias")
+    await s.put_if_match("alias", b"v1", tag)
+    with pytest.raises(PreconditionFailed):
+        await s.put_if_match("alias", b"lost update", tag)
+    assert await s.get("alias") == b"v1"
+    assert await s.list("") == ["alias"]  # the probe object is gone
+
+
+@pytest.mark.parametrize("condition", ["if-match", "if-none-match"])
+def test_a_conditional_put_answered_without_etag_succeeded(
+    factory: S3Factory, proxy: FaultProxy, condition: str
+) -> None:
+    """A conditional PUT the server stored but answered without an ETag is a success, and
+    returns the stored object's ETag, which the next compare-and-swap can use."""
+    f = via_proxy(factory, proxy)
+
+    async def body(s: S3Store) -> None:
+        assert await s.detect_conditional_writes() is True
+        quirk = proxy.fail(lambda r: r.method == "PUT" and condition in r.headers, "no_etag",
+                           times=None)
+        tag = None
+        if condition == "if-match":
+            await s.put("alias", b"v0")
+            _, tag = await s.get_with_etag("alias")
+        tag1 = await s.put_if_match("alias", b"v1", tag)
+        assert await s.get_with_etag("alias") == (b"v1", tag1)
+        if condition == "if-match":
+            tag2 = await s.put_if_match("alias", b"v2", tag1)
+            assert await s.get_with_etag("alias") == (b"v2", tag2)
+            with pytest.raises(PreconditionFailed):
+                await s.put_if_match("alias", b"stale", tag1)
+        assert quirk.hits >= 1
+
+    run(body, f)
 
 
 def test_empty_completion_etag_is_filled_from_a_head(factory: S3Factory, proxy: FaultProxy) -> None:

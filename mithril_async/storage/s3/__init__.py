@@ -11,11 +11,14 @@ Keys live under ``<prefix>/<key>`` in one bucket. Design points:
   to one ETag (``IfMatch``), so a concurrent overwrite restarts the read instead of mixing
   versions.
 - **Conditional writes**: ``IfNoneMatch="*"`` / ``IfMatch=<etag>`` on PutObject (S3 since
-  2024, moto >= 5.0.x). ``conditional_writes="auto"`` probes the server once; servers that
-  ignore the headers get a logged, *non-atomic* read-compare-write fallback and
-  ``atomic_conditional_writes`` becomes False. ``If-Match`` is sent quoted or unquoted,
-  whichever the server compares (Ceph RGW: unquoted); 404 and 412 on a missing key both fail
-  the precondition.
+  2024, moto >= 5.0.x). ``conditional_writes="auto"`` probes the server once: of an existing
+  object, a PUT with ``If-None-Match: *`` and one with a wrong ``If-Match`` must both be
+  refused; a server that ignores either header gets a logged, *non-atomic*
+  read-compare-write fallback and ``atomic_conditional_writes`` becomes False. ``If-Match``
+  is sent quoted or unquoted, whichever the server compares (Ceph RGW: unquoted); 404 and
+  412 on a missing key both fail the precondition. A conditional PUT answered without an
+  ETag succeeded all the same; its ETag is read back (only while the object holds what was
+  written).
 - **Retries**: botocore's "standard" mode retries 5xx, throttling (SlowDown), connection
   errors and timeouts with jittered exponential backoff, up to ``max_attempts`` attempts per
   request; streamed response bodies (not covered by botocore) are retried here the same way.

@@ -442,8 +442,11 @@ class S3Store:
         await self.call("delete", key, "delete_object", Key=self.full_key(key))
 
     async def detect_conditional_writes(self) -> bool:
-        """Probe (once) whether the server honours ``If-None-Match: *`` on PutObject; sets
-        and returns :attr:`atomic_conditional_writes`."""
+        """Probe (once) whether the server honours both conditions on PutObject: of an
+        object that exists, a PUT with ``If-None-Match: *`` and one with an ``If-Match``
+        naming an ETag it does not have must both be refused (412). A server honouring only
+        the first would be trusted with the aliases' compare-and-swap and overwrite them
+        blindly. Sets and returns :attr:`atomic_conditional_writes`."""
         await self.client()  # (re)binds the locks to the running loop
         async with self._probe_lock:
             if self.conditional_writes != "auto":
@@ -453,13 +456,9 @@ class S3Store:
             client = await self.client()
             try:
                 await client.put_object(Bucket=self.bucket, Key=full, Body=b"")
-                try:
-                    await client.put_object(Bucket=self.bucket, Key=full, Body=b"", IfNoneMatch="*")
-                    honoured = False
-                except ClientError as exc:
-                    honoured = is_precondition(exc)
-                    if not honoured:
-                        log.info("conditional PutObject refused by %s: %s", self.url, exc)
+                honoured = (await self._refuses(client, full, "If-None-Match", IfNoneMatch="*")
+                            and await self._refuses(client, full, "If-Match",
+                                                    IfMatch=f'"{secrets.token_hex(16)}"'))
             except CALL_ERRORS as exc:
                 raise self.error(exc, "detect_conditional_writes", probe) from exc
             finally:
@@ -469,14 +468,29 @@ class S3Store:
             self.atomic_conditional_writes = honoured
             return honoured
 
+    async def _refuses(self, client: Any, full: str, header: str, **condition: str) -> bool:
+        """Whether the server refuses (412, 409) a PutObject of the existing probe object
+        whose ``header`` condition does not hold, i.e. honours that header."""
+        try:
+            await client.put_object(Bucket=self.bucket, Key=full, Body=b"", **condition)
+        except ClientError as exc:
+            if is_precondition(exc):
+                return True
+            log.info("conditional PutObject (%s) refused by %s: %s", header, self.url, exc)
+            return False
+        log.warning("%s ignores %s on PutObject: a PUT whose condition fails was stored",
+                    self.url, header)
+        return False
+
     async def _native(self) -> bool:
         if self.conditional_writes == "auto":
             await self.detect_conditional_writes()
         if self.conditional_writes == "emulate" and not self._warned_emulation:
             self._warned_emulation = True
             log.warning(
-                "%s: server lacks conditional PutObject; put_if_absent/put_if_match fall back "
-                "to a NON-ATOMIC read-compare-write (concurrent writers can both win)",
+                "%s: server does not honour conditional PutObject (If-None-Match and If-Match); "
+                "put_if_absent/put_if_match fall back to a NON-ATOMIC read-compare-write "
+                "(concurrent writers can both win)",
                 self.url,
             )
         return self.conditional_writes == "native"
@@ -508,11 +522,12 @@ class S3Store:
         if await self._native():
             if etag is None:
                 try:
-                    return await self.put_object("put_if_match", key, data, IfNoneMatch="*")
+                    tag = await self.put_object("put_if_match", key, data, IfNoneMatch="*")
                 except StorageError as exc:
                     if is_precondition(exc.__cause__ or exc):
                         raise lost("<changed>") from exc
                     raise
+                return await self._own_tag(key, data, tag)
             return await self._put_matching(key, data, etag, lost)
         try:
             head = await self.call("put_if_match", key, "head_object", Key=self.full_key(key))
@@ -521,17 +536,35 @@ class S3Store:
             current = None
         if current != etag:
             raise lost(current)
-        return await self.put_object("put_if_match", key, data)
+        return await self._own_tag(key, data, await self.put_object("put_if_match", key, data))
 
-    async def _put_if_match_form(self, key: str, data: bytes | memoryview, value: str) -> str:
-        """One PutObject with ``If-Match: value``; ``""`` when the precondition failed or the
-        key is missing (S3 and moto answer 404 there, Ceph RGW 412: both mean "not there")."""
+    async def _own_tag(self, key: str, data: bytes | memoryview, tag: str) -> str:
+        """The ETag of what a successful conditional write stored: the PUT's answer, or,
+        where that answer carried none (a server or relay that leaves it out or blank), the
+        object's ETag read back if the object still holds ``data``. If another writer has
+        replaced it already, ``""``: no object's ETag equals it, so a compare-and-swap with
+        it fails, as it must."""
+        if tag.strip('"'):
+            return tag
+        try:
+            stored, current = await self.get_with_etag(key)
+        except KeyNotFound:
+            return ""
+        if current.strip('"') and stored == as_bytes(data):
+            return current
+        return ""
+
+    async def _put_if_match_form(self, key: str, data: bytes | memoryview, value: str
+                                 ) -> str | None:
+        """One PutObject with ``If-Match: value``: the answer's ETag once stored (possibly
+        empty: see :meth:`_own_tag`); None when the precondition failed or the key is
+        missing (S3 and moto answer 404 there, Ceph RGW 412: both mean "not there")."""
         try:
             return await self.put_object("put_if_match", key, data, IfMatch=value)
         except StorageError as exc:
             cause = exc.__cause__ or exc
             if is_precondition(cause) or is_missing(cause):
-                return ""
+                return None
             raise
 
     async def _put_matching(
@@ -550,8 +583,8 @@ class S3Store:
         forms = {"quoted": f'"{bare}"', "unquoted": bare}
         first = self._if_match_form
         new_tag = await self._put_if_match_form(key, data, forms[first])
-        if new_tag:
-            return new_tag
+        if new_tag is not None:
+            return await self._own_tag(key, data, new_tag)
         try:
             head = await self.call("put_if_match", key, "head_object", Key=self.full_key(key))
         except KeyNotFound:
@@ -561,12 +594,12 @@ class S3Store:
             raise lost(current)
         other: Literal["quoted", "unquoted"] = "unquoted" if first == "quoted" else "quoted"
         new_tag = await self._put_if_match_form(key, data, forms[other])
-        if not new_tag:
+        if new_tag is None:
             raise lost("<changed>")
         if self._if_match_form != other:
             log.info("%s compares If-Match %s; sending it so from now on", self.url, other)
             self._if_match_form = other
-        return new_tag
+        return await self._own_tag(key, data, new_tag)
 
     def open_writer(self, key: str, size_hint: int | None = None) -> S3Writer:
         """Stream ``key`` as a multipart upload; ``size_hint`` (bytes) only picks a larger
