@@ -459,6 +459,9 @@ class RunCatalog:
             return mine, await self.store.put_if_match(key, mine, etag), former
         except (KeyExists, PreconditionFailed):
             return taken
+        except BaseException:  # the write may have landed before the failure (a cancel)
+            await asyncio.shield(self._drop_claim(n, mine))
+            raise
 
     async def delete_version(self, vid: str) -> None:
         """Delete a version: manifest first (it disappears atomically), then its claim (so a
