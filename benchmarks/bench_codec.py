@@ -458,7 +458,7 @@ def scaling(runs: int, nthreads: int, only: str | None) -> None:
 
 
 def save_batching(runs: int, gib: float) -> None:
-    """The saver's encode stage with small chunks batched (issue 21: ``blobs.batch_jobs``)
+    """The saver's encode stage with small chunks batched (``save.writers.batch_jobs``)
     against one pool task per chunk (the bytes are the same), on the GPT-like many-tensor
     state of ``bench_scale.py``, staged (no budget), compressed, ``runs`` rounds alternating
     after a warm-up round; medians of per-round ratios.  CPU: the process's CPU time over
@@ -468,15 +468,15 @@ def save_batching(runs: int, gib: float) -> None:
     from bench_scale import build
 
     from mithril_async import CheckpointManager, parse_config
-    from mithril_async.pipeline import blobs
+    from mithril_async.save import writers
 
     model, opt, ntensors, nbytes = build(gib)
-    real = blobs.batch_jobs
+    real = writers.batch_jobs
     got: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as d:
         for r in range(runs + 1):
             for batching in (True, False):
-                blobs.batch_jobs = real if batching else (  # type: ignore[assignment]
+                writers.batch_jobs = real if batching else (  # type: ignore[assignment]
                     lambda jobs, cap: [[j] for j in jobs])
                 cfg = parse_config(f'[checkpointing]\nruns_path = "{d}/{r}{batching}"\n'
                                    'run_id = "b"\n')
@@ -486,7 +486,7 @@ def save_batching(runs: int, gib: float) -> None:
                         res = m.save_nowait(1).result()
                         wall, cpu = time.perf_counter() - t, time.process_time() - c
                 finally:
-                    blobs.batch_jobs = real
+                    writers.batch_jobs = real
                 if r:
                     got[batching].append((res.bytes_in / 1e6 / res.total_s, cpu, wall))
     med = statistics.median

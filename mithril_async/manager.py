@@ -2,10 +2,10 @@
 
 The manager owns the lifecycle (a private event loop thread, :class:`BackgroundLoop`; the
 codec thread pool; the Store), the public API and the snapshot entry point. Each save is one
-:class:`~mithril_async.pipeline.save.SaveJob`: ``save()`` has it copy the state into the
+:class:`~mithril_async.save.job.SaveJob`: ``save()`` has it copy the state into the
 reusable staging buffers on the caller's thread, then runs the rest — encode, checksum, write,
 manifest commit, alias moves, retention — on the background loop. What saves share lives in a
-:class:`~mithril_async.pipeline.save.SaveContext`, never on the manager. Restores read through
+:class:`~mithril_async.save.context.SaveContext`, never on the manager. Restores read through
 the one :class:`~mithril_async.pipeline.reader.VersionReader`. At most one save is in flight;
 a failure there aborts only that save, leaves the previous version untouched, and is raised by
 the next ``save()``/``wait_until_finished()``/``check_for_errors()``.
@@ -44,16 +44,19 @@ from mithril_async.errors import (
 )
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.pipeline.blobs import BlobCodec
-from mithril_async.pipeline.chain import ChainPolicy
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.lossy import LossyTrack
-from mithril_async.pipeline.overlap import StepGuard, optimizers_in
+from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.reader import DecodedVersion, VersionReader
 from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.pipeline.save import SaveContext, SaveJob
 from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
+from mithril_async.save.context import SaveContext
+from mithril_async.save.delta_chain import ChainPolicy
+from mithril_async.save.job import SaveJob
+from mithril_async.save.overlap import StepGuard, optimizers_in
+from mithril_async.save.writers import BlobEncoder
 from mithril_async.state import (
     JsonStateful,
     Stateful,
@@ -142,10 +145,10 @@ class CheckpointManager:
         self.catalog = RunCatalog(self.store, self.layout,
                                   claim_stale_s=cfg.pipeline.claim_stale_s)
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            threads, "mithril-codec", initializer=lower_priority,
-            initargs=(cfg.pipeline.background_nice,))
+        self._pool = CodecPool(threads, "mithril-codec", initializer=lower_priority,
+                               initargs=(cfg.pipeline.background_nice,))
         self._codec = BlobCodec(cfg.compression, cfg.pipeline, self._pool)
+        encoder = BlobEncoder(cfg.compression, cfg.pipeline, self._pool)
         comp = cfg.compression
         chain_policy = ChainPolicy(
             delta=comp.delta and comp.enabled,
@@ -156,7 +159,7 @@ class CheckpointManager:
         self._ctx = SaveContext(
             config=self.config, state=self.state, store=self.store, layout=self.layout,
             catalog=self.catalog, coordinator=self.coordinator, pool=self._pool,
-            codec=self._codec, chain_policy=chain_policy,
+            encoder=encoder, chain_policy=chain_policy,
             retention=from_config(cfg) if retention is _UNSET else retention,
             sharded_model=sharded_model,
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None, on_save=on_save)

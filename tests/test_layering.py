@@ -36,11 +36,13 @@ def test_the_analysis_computes_and_never_imports_what_writes_it() -> None:
 
 def test_the_lossless_blob_codec_does_not_import_the_lossy_tier() -> None:
     lossy = ("mithril_async.lossy", "mithril_async.pipeline.lossy")
-    assert not [m for m in _imports("mithril_async.pipeline.blobs") if m.startswith(lossy)]
+    for codec in ("mithril_async.pipeline.blobs", "mithril_async.save.writers",
+                  "mithril_async.save.chunks"):
+        assert not [m for m in _imports(codec) if m.startswith(lossy)], codec
 
 
 def test_step_deltas_never_import_the_save_pipelines_delta_chains() -> None:
-    chains = {"mithril_async.pipeline.chain", "mithril_async.pipeline.delta_choice"}
+    chains = {"mithril_async.save.delta_chain", "mithril_async.save.delta_choice"}
     for mod in pkgutil.iter_modules(step_deltas.__path__, "mithril_async.step_deltas."):
         assert not _imports(mod.name) & chains, mod.name
 

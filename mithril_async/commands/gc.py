@@ -168,8 +168,9 @@ async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
     live |= {lay.version_dir(n) + "/" for n in live_now}
     await cat.store.cleanup_incomplete(lay.root + "/", args.orphan_age, skip=sorted(live))
     if any(i["kind"] == "retention" for i in plan):
-        root = getattr(cat.store, "root", None)
-        await cat.update_run_manifest(None if root is None else str(root), None)
+        from mithril_async.storage.capabilities import local_root
+
+        await cat.update_run_manifest(local_root(cat.store), None)
 
 
 async def gc(target: Target, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:

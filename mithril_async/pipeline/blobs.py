@@ -47,8 +47,10 @@ from mithril_async.codec.state_dict import decode_tensors, read_info
 from mithril_async.config import CompressionConfig, PipelineConfig, check_host_memory
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.manifest import BaseRef, BlobRef
+from mithril_async.memory.budget import HostBudget
+from mithril_async.memory.ring import SlotLease, SlotRing
 from mithril_async.pipeline.partial import read_partial
-from mithril_async.pipeline.stager import HostBudget, SlotLease, SlotRing, StreamedTensor
+from mithril_async.save.stream import StreamedTensor
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.deferred import DeferredWriter
 

@@ -343,7 +343,7 @@ class StagingRing:
 
     def __init__(self, info: MckpInfo, targets: Mapping[int, torch.Tensor], slot_bytes: int,
                  slots: int) -> None:
-        from mithril_async.pipeline.stager import SlotRing
+        from mithril_async.memory.ring import SlotRing
 
         self.info, self.targets = info, targets
         pin = any(t.device.type == "cuda" for t in targets.values()) \

@@ -45,7 +45,7 @@ from mithril_async.manifest import (
     VersionManifest,
     version_number,
 )
-from mithril_async.pipeline.blobs import StagedItem
+from mithril_async.save.items import StagedItem
 from mithril_async.storage.base import Store
 
 __all__ = ["LossyTrack", "lossy_roles", "merge_lossy", "read_lossy_blob", "read_lossy_chain"]
@@ -189,7 +189,7 @@ async def read_lossy_blob(store: Store, ref: BlobRef | BaseRef, size: int | None
 
     Parsing validates the whole container (its own trailing hash, every range, dtypes), so
     this is also how a reader that does not decode the chain (``mithril verify``) checks a
-    lossy blob; :class:`~mithril_async.pipeline.blobs.BlobCodec` reads lossless blobs only.
+    lossy blob; :class:`~mithril_async.restore.fresh.FreshDecoder` reads lossless blobs only.
     """
     if size is not None:
         got_size = await store.size(ref.key)  # before reading: a huge file costs no memory

@@ -20,10 +20,10 @@ class CodecPool(concurrent.futures.ThreadPoolExecutor):
     def __init__(self, threads: int, name: str = "mithril-codec",
                  initializer: Callable[..., Any] | None = None,
                  initargs: tuple[Any, ...] = ()) -> None:
-        self._threads = max(1, int(threads))
-        super().__init__(self._threads, name, initializer=initializer, initargs=initargs)
+        self._size = max(1, int(threads))
+        super().__init__(self._size, name, initializer=initializer, initargs=initargs)
 
     @property
     def threads(self) -> int:
         """How many threads run the pool's work."""
-        return self._threads
+        return self._size

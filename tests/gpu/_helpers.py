@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from mithril_async.pipeline.stager import StagingArea
+from mithril_async.device import CudaCopier
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_ONLY = [
@@ -104,16 +104,14 @@ def live(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def slow_side_stream(monkeypatch: pytest.MonkeyPatch, cycles: int = SIDE_STREAM_SLEEP) -> None:
-    """Queue a device-side sleep on the stager's side stream ahead of every batch of
+    """Queue a device-side sleep on the staging copier's side stream ahead of every batch of
     device-to-host copies (after the stream is ordered behind the producer's work)."""
-    real = StagingArea._copy_from_cuda
+    real = CudaCopier.queue
 
-    def slow(self: StagingArea, items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+    def slow(self: CudaCopier, items: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
             torch.cuda._sleep(cycles)
         return real(self, items)
 
-    monkeypatch.setattr(StagingArea, "_copy_from_cuda", slow)
+    monkeypatch.setattr(CudaCopier, "queue", slow)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from mithril_async import CheckpointManager, Config, SaveFailed, SnapshotTorn, TensorDict
-from mithril_async.pipeline import overlap
-from mithril_async.pipeline.stager import Snapshot, StagingArea
+from mithril_async.save import overlap
+from mithril_async.save.staging import Snapshot, StagingArea
 from tests.manager.conftest import state_equal
 
 from ._helpers import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mithril_async.pipeline.stager import StagingArea
+from mithril_async.save.staging import StagingArea
 
 from ._helpers import CUDA_ONLY, DEV
 

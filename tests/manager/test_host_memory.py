@@ -28,8 +28,9 @@ from mithril_async import (
     parse_config,
 )
 from mithril_async.errors import HostMemoryExceeded, SnapshotTorn
-from mithril_async.pipeline import stager
-from mithril_async.pipeline.overlap import StreamCopy
+from mithril_async.memory.budget import HostBudget
+from mithril_async.save.overlap import StreamCopy
+from mithril_async.save.stream import StreamSnapshot
 
 MiB = 1 << 20
 SCRIPT = Path(__file__).with_name("_budget_rss_script.py")
@@ -56,13 +57,13 @@ def _state(mib: int, seed: int = 0) -> TensorDict:
 def _peak_recorder(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every value the account's ``held`` ever takes (to check it never passes the limit)."""
     seen: list[int] = []
-    real = stager.HostBudget._add
+    real = HostBudget._add
 
-    def add(self: stager.HostBudget, n: int) -> None:
+    def add(self: HostBudget, n: int) -> None:
         real(self, n)
         seen.append(self.held)
 
-    monkeypatch.setattr(stager.HostBudget, "_add", add)
+    monkeypatch.setattr(HostBudget, "_add", add)
     return seen
 
 
@@ -194,15 +195,15 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
     _train(model, opt)
     gate = threading.Event()
     later_fetches: list[int] = []
-    real = stager.StreamSnapshot.fetch
+    real = StreamSnapshot.fetch
 
-    def gated(self: stager.StreamSnapshot, lease: Any, t: Any, off: int, n: int) -> Any:
+    def gated(self: StreamSnapshot, lease: Any, t: Any, off: int, n: int) -> Any:
         if t.later:  # the optimizer's tensors wait for the test to open the gate
             assert gate.wait(60)
             later_fetches.append(n)
         return real(self, lease, t, off, n)
 
-    monkeypatch.setattr(stager.StreamSnapshot, "fetch", gated)
+    monkeypatch.setattr(StreamSnapshot, "fetch", gated)
     real_before_step = StreamCopy.before_step
 
     def before_step(self: StreamCopy) -> float:
@@ -266,14 +267,14 @@ def test_overlapped_under_budget_torn_change_fails_the_save_only(tmp_path: Path)
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
         m.save_nowait(1).result()
         good = copy.deepcopy(model.state_dict())
-        real = stager.StreamSnapshot.fetch
+        real = StreamSnapshot.fetch
 
-        def gated(self: stager.StreamSnapshot, lease: Any, t: Any, off: int, n: int) -> Any:
+        def gated(self: StreamSnapshot, lease: Any, t: Any, off: int, n: int) -> Any:
             if t.later:
                 assert gate.wait(60)
             return real(self, lease, t, off, n)
 
-        stager.StreamSnapshot.fetch = gated  # type: ignore[method-assign]
+        StreamSnapshot.fetch = gated  # type: ignore[method-assign]
         try:
             handle = m.save_nowait(2)
             with torch.no_grad():
@@ -284,7 +285,7 @@ def test_overlapped_under_budget_torn_change_fails_the_save_only(tmp_path: Path)
             assert isinstance(info.value.__cause__, SnapshotTorn)
             assert "model/layers.3.weight" in str(info.value)
         finally:
-            stager.StreamSnapshot.fetch = real  # type: ignore[method-assign]
+            StreamSnapshot.fetch = real  # type: ignore[method-assign]
         assert handle.result_obj.status == "failed"
         assert [r.status for r in m.history] == ["committed", "failed"]
         assert not (tmp_path / "runs/r/versions/v000002/manifest.json").exists()

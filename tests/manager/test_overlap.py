@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from mithril_async import CheckpointManager, Config, SaveFailed, SnapshotTorn
-from mithril_async.pipeline import overlap
 from mithril_async.pipeline.loop import lower_priority
-from mithril_async.pipeline.stager import StagingArea
+from mithril_async.save import overlap
+from mithril_async.save.staging import StagingArea
 
 from .conftest import Batcher, FakeEvent, TinyNet, make_state, state_equal, train_step
 

@@ -18,8 +18,8 @@ import torch
 
 from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.errors import DistributedError, SaveFailed
-from mithril_async.pipeline import blobs
 from mithril_async.pipeline.coordinator import LocalCoordinator
+from mithril_async.save import chunks
 from tests.faults._common import leftovers
 
 
@@ -41,13 +41,13 @@ def _setup(tmp_path: Path, monkeypatch: Any) -> tuple[Any, threading.Event, Tens
                        "[checkpointing.compression]\nthreads = 2\nchunk_mib = 1\n"
                        "auto_chunk = false\n")
     encoding = threading.Event()
-    real = blobs.encode_chunk
+    real = chunks.encode_chunk
 
     def encode(*a: Any, **kw: Any) -> Any:
         encoding.set()
         return real(*a, **kw)
 
-    monkeypatch.setattr(blobs, "encode_chunk", encode)
+    monkeypatch.setattr(chunks, "encode_chunk", encode)
     g = torch.Generator().manual_seed(3)
     live = TensorDict({"w": torch.randn(3 << 18, generator=g), "b": torch.randn(77, generator=g)})
     return cfg, encoding, live

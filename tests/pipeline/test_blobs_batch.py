@@ -12,8 +12,8 @@ import torch
 
 from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.codec.chunk import BATCH_CHUNK_BYTES
-from mithril_async.pipeline import blobs
-from mithril_async.pipeline.blobs import batch_jobs
+from mithril_async.save import chunks, writers
+from mithril_async.save.chunks import batch_jobs
 
 
 def _jobs(sizes: list[int]) -> list[tuple[int, int, int, int]]:
@@ -57,18 +57,18 @@ def test_blob_is_the_chunk_by_chunk_blob(tmp_path: Path, monkeypatch: pytest.Mon
                                          ) -> None:
     """One codec thread: chunks complete in order, so both blobs can be compared."""
     calls = {"batches": 0}
-    real = blobs.encode_chunks
+    real = chunks.encode_chunks
 
     def counted(items: Any, params: Any) -> Any:
         calls["batches"] += 1
         return real(items, params)
 
-    monkeypatch.setattr(blobs, "encode_chunks", counted)
+    monkeypatch.setattr(chunks, "encode_chunks", counted)
     out = []
     for sub, batching in (("batched", True), ("single", False)):
         with monkeypatch.context() as m:
             if not batching:
-                m.setattr(blobs, "batch_jobs", lambda jobs, cap: [[j] for j in jobs])
+                m.setattr(writers, "batch_jobs", lambda jobs, cap: [[j] for j in jobs])
             live = _state()
             with CheckpointManager(_cfg(tmp_path / sub), {"model": live}) as mgr:
                 assert mgr.save_nowait(1).result().status == "committed"

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from mithril_async.errors import HostMemoryExceeded, SnapshotTorn
-from mithril_async.pipeline.stager import HostBudget, SlotLease, SlotRing, StreamSnapshot
+from mithril_async.memory.budget import HostBudget
+from mithril_async.memory.ring import SlotLease, SlotRing
+from mithril_async.save.stream import StreamSnapshot
 
 
 def run(coro: object) -> object:

@@ -11,7 +11,7 @@ import torch
 
 from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.codec.chunk import CodecParams
-from mithril_async.pipeline import blobs
+from mithril_async.save import chunks, writers
 
 
 def test_window_is_two_chunks_per_thread_capped_by_config(tmp_path: Path,
@@ -22,7 +22,7 @@ def test_window_is_two_chunks_per_thread_capped_by_config(tmp_path: Path,
     live = TensorDict({"w": torch.randn(12 << 18)})  # 12 MiB: 12 chunks of 1 MiB
     state = {"in_flight": 0, "peak": 0}
     lock = threading.Lock()
-    real_encode, real_write = blobs.encode_chunk, blobs.BlobCodec._run_chunks
+    real_encode, real_write = chunks.encode_chunk, writers.BlobEncoder._run_chunks
 
     def encode(*a: Any, **kw: Any) -> Any:
         with lock:
@@ -39,17 +39,17 @@ def test_window_is_two_chunks_per_thread_capped_by_config(tmp_path: Path,
 
         await real_write(self, jobs, views, bases, entries, params, counted)
 
-    monkeypatch.setattr(blobs, "encode_chunk", encode)
-    monkeypatch.setattr(blobs.BlobCodec, "_run_chunks", run_chunks)
+    monkeypatch.setattr(chunks, "encode_chunk", encode)
+    monkeypatch.setattr(writers.BlobEncoder, "_run_chunks", run_chunks)
     with CheckpointManager(cfg, {"model": live}) as m:
-        codec = m._codec
+        budget = m._ctx.encoder.budget
         params = CodecParams(chunk_bytes=1 << 20)
-        assert codec.inflight_limit(params) == 4 << 20  # max(4, 2 x 2 threads) chunks
+        assert budget.inflight_limit(params) == 4 << 20  # max(4, 2 x 2 threads) chunks
         want = live.tensors["w"].clone()
         m.save_nowait(1).result()
         assert 1 <= state["peak"] <= 4
         live.tensors["w"].zero_()
-        codec.pipe = codec.pipe.model_copy(update={"max_inflight_mib": 8})
-        assert codec.inflight_limit(CodecParams(chunk_bytes=4 << 20)) == 8 << 20  # the cap
+        budget.pipe = budget.pipe.model_copy(update={"max_inflight_mib": 8})
+        assert budget.inflight_limit(CodecParams(chunk_bytes=4 << 20)) == 8 << 20  # the cap
         m.restore_sync(1)
     assert torch.equal(live.tensors["w"], want)  # 12 chunks through a 4-chunk window

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from typing import Any
 
@@ -15,11 +14,13 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import KeyNotFound
 from mithril_async.layout import RunLayout
-from mithril_async.pipeline.blobs import BlobCodec
-from mithril_async.pipeline.chain import ChainPolicy
 from mithril_async.pipeline.coordinator import LocalCoordinator
+from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.reader import VersionReader
-from mithril_async.pipeline.save import SaveContext, SaveJob
+from mithril_async.save.context import SaveContext
+from mithril_async.save.delta_chain import ChainPolicy
+from mithril_async.save.job import SaveJob
+from mithril_async.save.writers import BlobEncoder
 from mithril_async.storage.memory import MemoryStore
 from tests.manager.conftest import make_state, train_step
 
@@ -43,14 +44,14 @@ def test_saves_leave_no_state_on_the_manager(make_config: Any, snapshot: str) ->
 
 
 def _context(store: MemoryStore, state: dict[str, Any],
-             pool: concurrent.futures.ThreadPoolExecutor) -> SaveContext:
+             pool: CodecPool) -> SaveContext:
     cfg = Config(checkpointing=CheckpointingConfig())
     layout = RunLayout("runs", "job")
     comp = cfg.checkpointing.compression
     return SaveContext(
         config=cfg, state=state, store=store, layout=layout,
         catalog=RunCatalog(store, layout), coordinator=LocalCoordinator(), pool=pool,
-        codec=BlobCodec(comp, cfg.checkpointing.pipeline, pool),
+        encoder=BlobEncoder(comp, cfg.checkpointing.pipeline, pool),
         chain_policy=ChainPolicy(delta=False, dedup=False, keyframe_interval=8,
                                  delta_base="previous", min_gain=0.0, byte_grouping=True),
         retention=None, steps=set())
@@ -68,7 +69,7 @@ def test_a_save_job_runs_on_a_context_alone() -> None:
     """No manager: a context over a MemoryStore, two jobs, read back by the reader."""
     weights = TensorDict({"w": torch.arange(4096, dtype=torch.float32)})
     store = MemoryStore()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with CodecPool(2) as pool:
         ctx = _context(store, {"model": weights}, pool)
         first = asyncio.run(_save(ctx, 10))
         saved = weights.tensors["w"].clone()
@@ -98,7 +99,7 @@ class _NoManifest(MemoryStore):
 def test_a_commit_error_is_raised_as_itself_and_stays_with_its_job() -> None:
     weights = TensorDict({"w": torch.ones(1024)})
     store = _NoManifest()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with CodecPool(2) as pool:
         ctx = _context(store, {"model": weights}, pool)
         with pytest.raises(KeyNotFound, match="injected"):
             asyncio.run(_save(ctx, 1))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mithril_async.pipeline.stager import Snapshot, StagingArea
+from mithril_async.save.staging import Snapshot, StagingArea
 from tests.manager.conftest import FakeEvent
 
 
@@ -57,19 +57,19 @@ def test_plain_tensors_are_copied_in_one_native_call(monkeypatch: pytest.MonkeyP
     grad included; views that are not plain bytes (non-contiguous, conjugated) keep ``copy_``;
     empty tensors cost no job."""
     from mithril_async.codec import kernels as K
-    from mithril_async.pipeline import stager
+    from mithril_async.save import staging
 
     calls: list[list[int]] = []
     real = K.copy_batch
 
     def spy(jobs: list[tuple[int, int, int]], stream_min: int = 1 << 20) -> None:
-        assert stream_min == stager.STREAM_COPY_MIN_BYTES
+        assert stream_min == staging.STREAM_COPY_MIN_BYTES
         calls.append(sorted(n for _, _, n in jobs))
         real(jobs, stream_min)
 
     monkeypatch.setattr(K, "copy_batch", spy)
     g = torch.Generator().manual_seed(0)
-    n = (stager.STREAM_COPY_MIN_BYTES // 2) + 7  # 2-byte dtypes: just over the threshold
+    n = (staging.STREAM_COPY_MIN_BYTES // 2) + 7  # 2-byte dtypes: just over the threshold
     src = {
         "bf16": torch.randn(n, generator=g).to(torch.bfloat16),
         "f32": torch.nn.Parameter(torch.randn(n, generator=g)),  # requires grad
@@ -98,7 +98,7 @@ def test_plain_tensors_are_copied_in_one_native_call(monkeypatch: pytest.MonkeyP
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 1 << 20), max_size=12))
 def test_split_jobs_halves_bytes_and_covers_every_byte_once(sizes: list[int]) -> None:
-    from mithril_async.pipeline.stager import split_jobs
+    from mithril_async.save.staging import split_jobs
 
     jobs, at = [], 0
     for n in sizes:
@@ -121,7 +121,7 @@ def test_big_snapshot_is_copied_by_two_threads(monkeypatch: pytest.MonkeyPatch) 
     import threading
 
     from mithril_async.codec import kernels as K
-    from mithril_async.pipeline import stager
+    from mithril_async.save import staging
 
     seen: list[tuple[str, int]] = []
     real = K.copy_batch
@@ -134,7 +134,7 @@ def test_big_snapshot_is_copied_by_two_threads(monkeypatch: pytest.MonkeyPatch) 
     g = torch.Generator().manual_seed(1)
     src = {"a": torch.randn(3 << 20, generator=g), "b": torch.randn(7, generator=g)}
     total = sum(t.numel() * t.element_size() for t in src.values())
-    assert total >= stager.PARALLEL_COPY_MIN_BYTES
+    assert total >= staging.PARALLEL_COPY_MIN_BYTES
     snap = StagingArea(pin_memory=False, copy_threads=2).snapshot(src)
     assert all(torch.equal(snap.tensors[k], v) for k, v in src.items())
     if K.native_available():
@@ -147,16 +147,16 @@ def test_big_snapshot_is_copied_by_two_threads(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_ranks_sharing_a_host_copy_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mithril_async.pipeline import stager
+    from mithril_async.save import staging
 
-    monkeypatch.setattr(stager.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(staging.os, "cpu_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert stager.default_copy_threads() == 2
+    assert staging.default_copy_threads() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert stager.default_copy_threads() == 1
+    assert staging.default_copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")  # unreadable: the process group decides
-    assert stager.default_copy_threads() == 2  # none initialised here
+    assert staging.default_copy_threads() == 2  # none initialised here
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    assert stager.default_copy_threads() == 1
+    assert staging.default_copy_threads() == 1

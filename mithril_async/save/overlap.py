@@ -29,16 +29,11 @@ from typing import Any
 
 import torch
 
+from mithril_async.device import await_event, order_after
+from mithril_async.distributed import to_local
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.pipeline.stager import (
-    Job,
-    StreamSnapshot,
-    await_event,
-    copy_jobs,
-    default_copy_threads,
-    torn,
-    torn_error,
-)
+from mithril_async.save.staging import Job, copy_jobs, default_copy_threads, torn, torn_error
+from mithril_async.save.stream import StreamSnapshot
 
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -51,16 +46,11 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
     return _copier
 
 
-def order_after(event: Any) -> None:
-    """Make the current CUDA stream wait for ``event`` (on the device: no CPU wait)."""
-    torch.cuda.current_stream().wait_event(event)
-
-
 class OverlapCopy:
     """The deferred copies of one save, and what tells whether they are complete and untorn.
 
     CPU: byte copies run on a background thread, then the sources' version counters are
-    compared. CUDA: the copies were queued on the stager's side stream; ``events_now`` follow
+    compared. CUDA: the copies were queued on the staging area's side stream; ``events_now`` follow
     the copies of everything else (the current stream is ordered after them at once: later
     kernels such as a forward that updates batch-norm statistics run after those copies),
     ``events_later`` the optimizer-owned ones (the current stream is ordered after them in
@@ -142,7 +132,7 @@ class OverlapCopy:
 class StreamCopy:
     """An overlapped snapshot under ``host_memory_mib``: the optimizer-owned tensors are
     copied out by the encoder through the slot ring while forward/backward run (see
-    :class:`~mithril_async.pipeline.stager.StreamSnapshot`). The step pre-hook waits only
+    :class:`~mithril_async.save.stream.StreamSnapshot`). The step pre-hook waits only
     for what has not been copied out yet; the version check runs before that wait ends."""
 
     def __init__(self, stream: StreamSnapshot) -> None:
@@ -168,15 +158,10 @@ class StreamCopy:
         return self._wait()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what a sharded state dict holds), else the tensor itself."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """The optimizers a state holds: directly, or wrapped in an ``.optimizer`` attribute
-    (:class:`~mithril_async.distributed.ShardedOptimizer`, integration adapters)."""
+    (:class:`~mithril_async.distributed.ShardedOptimizer`, integration adapters, a user's
+    wrapper: looked up as any attribute, so one delegated through ``__getattr__`` counts)."""
     found: list[torch.optim.Optimizer] = []
     for obj in state.values():
         opt = obj if isinstance(obj, torch.optim.Optimizer) else getattr(obj, "optimizer", None)
@@ -213,7 +198,7 @@ class StepGuard:
         ptrs = set()
         for opt in self.optimizers:
             for t in _owned_tensors(opt):
-                local = _local(t)
+                local = to_local(t)  # a DTensor's shard, else t itself
                 if local.numel():
                     ptrs.add(local.data_ptr())
         return frozenset(ptrs)

@@ -2,11 +2,11 @@
 
 Why: an XOR delta only pays when the base predicts the tensor. Weights move little between
 steps (their sign/exponent planes barely change, so the delta's planes code small), but Adam's
-moments are rewritten every step: a step-to-step XOR of fp32 ``exp_avg`` saves ~5 %, and one
-against a keyframe several steps back is *larger* than the tensor itself (bench_delta: 23.0 vs
-22.3 MB per version). A delta that does not pay still costs a restore the decode of its base,
-so storing such tensors in full makes versions both smaller and cheaper to restore: a blob with
-no delta tensor reads no base at all.
+moments are rewritten every step: a step-to-step XOR of fp32 ``exp_avg`` saves little, and one
+against a keyframe several steps back can be *larger* than the tensor itself
+(docs/BENCHMARKS.md, bench_delta). A delta that does not pay still costs a restore the decode
+of its base, so storing such tensors in full makes versions both smaller and cheaper to
+restore: a blob with no delta tensor reads no base at all.
 
 The choice is an estimate made before encoding, on a strided sample of at most
 :data:`SAMPLE_ELEMENTS` elements: the sample is put through the chunk coder's byte transform

@@ -1,11 +1,11 @@
 """Delta chains and deduplication across versions, as the manager encodes them.
 
-Policy (measured in benchmarks/bench_delta.py): each version is XOR-encoded against the
-previous committed version, with a full keyframe every ``keyframe_interval`` versions, so a
-restore reads at most ``keyframe_interval`` blobs of the chain. The base is kept in host memory
-by double-buffering the staging area: one buffer set holds the last committed snapshot (the
-base), the other receives the next snapshot; after a commit they swap. This costs one extra copy
-of the state in host memory and no I/O; a failed save leaves the base untouched.
+Policy (benchmarks/bench_delta.py compares the alternatives): each version is XOR-encoded
+against the previous committed version, with a full keyframe every ``keyframe_interval``
+versions, so a restore reads at most ``keyframe_interval`` blobs of the chain. The base is kept
+in host memory by double-buffering the staging area: one buffer set holds the last committed
+snapshot (the base), the other receives the next snapshot; after a commit they swap. This costs
+one extra copy of the state in host memory and no I/O; a failed save leaves the base untouched.
 
 ``delta_base = "keyframe"`` XORs every delta against the chain's keyframe instead: the buffers
 do not swap after a delta commits (the keyframe's snapshot stays the base), so a restore reads
@@ -30,9 +30,10 @@ import xxhash
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import dtype_name, tensor_bytes
 from mithril_async.manifest import BaseRef, BlobRef
-from mithril_async.pipeline.blobs import EncodePlan, TensorRef
-from mithril_async.pipeline.delta_choice import delta_pays
-from mithril_async.pipeline.stager import StagingArea
+from mithril_async.pipeline.blobs import TensorRef
+from mithril_async.save.delta_choice import delta_pays
+from mithril_async.save.items import EncodePlan
+from mithril_async.save.staging import StagingArea
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ChainPolicy:
     dedup: bool = False
     keyframe_interval: int = 8
     delta_base: str = "previous"  # or "keyframe"
-    #: a tensor is a delta only if estimated to save this much of its full size (delta_choice.py)
+    #: a tensor is a delta only if estimated to save this much of its full size (delta_choice)
     min_gain: float = 0.0
     byte_grouping: bool = True
 
@@ -91,7 +92,7 @@ def _raw(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
               ) -> tuple[EncodePlan, dict[str, int]]:
     """Decide per tensor: reference (unchanged), XOR delta against the base (when that is
-    estimated to pay, :func:`~mithril_async.pipeline.delta_choice.delta_pays`), or full.
+    estimated to pay, :func:`~mithril_async.save.delta_choice.delta_pays`), or full.
 
     Returns the plan and the raw xxh64 of every tensor stored in full (for later dedup).
     Runs on a worker thread: bytewise comparisons and hashes are memory-bound C loops.

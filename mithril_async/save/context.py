@@ -1,0 +1,112 @@
+"""What the saves of one manager share, and hand from one save to the next.
+
+A :class:`SaveContext` lives as long as its manager and holds what one save hands to the next:
+the delta chains with their staging buffers, the lossy track, the steps already committed, the
+slot ring of streamed saves. Everything that belongs to one save alone lives on its
+:class:`~mithril_async.save.job.SaveJob`, so no save leaves state behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mithril_async.catalog import RunCatalog
+from mithril_async.config import Config
+from mithril_async.layout import RunLayout
+from mithril_async.manifest import BlobRef, version_id
+from mithril_async.memory.budget import HostBudget
+from mithril_async.memory.ring import SlotRing
+from mithril_async.pipeline.coordinator import Coordinator
+from mithril_async.pipeline.lossy import LossyTrack
+from mithril_async.pipeline.pool import CodecPool
+from mithril_async.pipeline.results import SaveResult
+from mithril_async.retention import Policy
+from mithril_async.save.delta_chain import ChainPolicy, ItemChain
+from mithril_async.save.writers import BlobEncoder
+from mithril_async.storage.base import Store
+from mithril_async.storage.capabilities import local_root
+
+__all__ = ["SaveContext"]
+
+log = logging.getLogger("mithril_async")
+
+
+@dataclass
+class SaveContext:
+    """What the saves of one manager share, and hand from one save to the next."""
+
+    config: Config
+    state: dict[str, Any]
+    store: Store
+    layout: RunLayout
+    catalog: RunCatalog
+    coordinator: Coordinator
+    pool: CodecPool
+    encoder: BlobEncoder
+    chain_policy: ChainPolicy
+    #: what survives retention (None: everything); built once from the config or injected
+    retention: Policy | None
+    #: each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole model
+    sharded_model: bool = False
+    #: the opt-in lossy tier ([checkpointing.lossy]); None keeps the lossless path as is
+    lossy: LossyTrack | None = None
+    #: per item: its staging buffers and delta chain, made at its first save
+    chains: dict[str, ItemChain] = field(default_factory=dict)
+    history: list[SaveResult] = field(default_factory=list)
+    on_save: Callable[[SaveResult], None] | None = None
+    #: steps committed in this run (known once the manager has started)
+    steps: set[int] | None = None
+    #: the run's config/train.toml as recorded by every manifest (written once per run)
+    config_ref: BlobRef | None = None
+    lossy_idle_warned: bool = False
+    #: the slot ring of streamed saves (host_memory_mib), reused while its size fits
+    ring: SlotRing | None = None
+
+    def __post_init__(self) -> None:
+        remote = self.config.checkpointing.remote
+        if remote is not None:  # an S3 upload buffers parts (storage/s3/writer.py)
+            self.encoder.budget.write_buffer_bytes += (remote.max_concurrency + 2) * (
+                remote.part_mib << 20)
+
+    @property
+    def memory(self) -> HostBudget:
+        return self.encoder.memory
+
+    @property
+    def rank(self) -> int:
+        return self.coordinator.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
+    def root_local(self) -> str | None:
+        return local_root(self.store)
+
+    def root_remote(self) -> str | None:
+        r = self.config.checkpointing.remote
+        return None if r is None else f"s3://{r.bucket}/{r.prefix}".rstrip("/")
+
+    def whole_model(self, name: str) -> bool:
+        """Whether item ``name`` is the unsharded model, which rank 0 alone writes."""
+        return name == "model" and not self.sharded_model
+
+    def chain(self, name: str) -> ItemChain:
+        chain = self.chains.get(name)
+        if chain is None:  # once per item: its staging buffers live in the chain
+            chain = self.chains[name] = ItemChain(self.chain_policy)
+        return chain
+
+    async def discard(self, number: int) -> None:
+        """Remove whatever an aborted save left in its version folder."""
+        try:
+            keys = await self.store.list(self.layout.version_dir(number) + "/")
+            # a manifest that landed before its commit failed goes first: never a manifest
+            # without its blobs, even if this cleanup is cut short
+            for key in sorted(keys, key=lambda k: not k.endswith("/manifest.json")):
+                await self.store.delete(key)
+        except Exception as err:  # the next start cleans what remains
+            log.warning("could not clean aborted version %s: %r", version_id(number), err)
