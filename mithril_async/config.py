@@ -84,7 +84,7 @@ class PipelineConfig(_Strict):
     #: "blocking": save() returns once every tensor is copied. "overlapped": tensors that only
     #: ``optimizer.step()`` changes (the optimizers' parameters and state) are copied by a
     #: background thread while the loop computes; the next ``step()`` waits for that copy
-    #: (pipeline/overlap.py). Any other in-place change meanwhile fails the save (SnapshotTorn).
+    #: (save/overlap.py). Any other in-place change meanwhile fails the save (SnapshotTorn).
     snapshot: Literal["blocking", "overlapped"] = "blocking"
     #: added to the nice value of the background threads (event loop, codec, file writes; not
     #: the overlapped copy, which a step may wait on): when training and checkpoint both want
@@ -103,7 +103,7 @@ class PipelineConfig(_Strict):
     #: encode window, write buffers, delta bases), in MiB. None (default): unlimited, today's
     #: path (staging buffers of the whole state, 2x with delta chains). A state whose staged
     #: path would not fit streams through a ring of reused chunk buffers instead (each chunk
-    #: encoded and written before its buffer is reused), as keyframes (pipeline/stager.py).
+    #: encoded and written before its buffer is reused), as keyframes (save/snapshot.py).
     #: At least :func:`min_host_memory` (six chunks + 4 MiB: 28 MiB with chunk_mib = 4).
     host_memory_mib: int | None = Field(None, ge=1)
 

@@ -2,7 +2,7 @@
 
 ``from mithril_async.delta import SparseDeltaRecorder`` (and the lazily imported
 ``SparseDeltaCallback``) give the very objects of :mod:`mithril_async.step_deltas`; new code
-imports that package. The manager's delta chains moved to :mod:`mithril_async.pipeline.chain`.
+imports that package. The manager's delta chains are :mod:`mithril_async.save.delta_chain`.
 """
 
 from __future__ import annotations
