@@ -35,7 +35,7 @@ import torch.distributed as dist
 from mithril_async.errors import DistributedError, ShapeMismatch
 from mithril_async.manifest import PieceMeta
 from mithril_async.pipeline.coordinator import Outcome, RankPart
-from mithril_async.pipeline.reshard import Box
+from mithril_async.restore.reshard import Box
 from mithril_async.state import unique_name
 
 log = logging.getLogger("mithril_async")

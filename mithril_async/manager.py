@@ -6,7 +6,7 @@ codec thread pool; the Store), the public API and the snapshot entry point. Each
 reusable staging buffers on the caller's thread, then runs the rest — encode, checksum, write,
 manifest commit, alias moves, retention — on the background loop. What saves share lives in a
 :class:`~mithril_async.save.context.SaveContext`, never on the manager. Restores read through
-the one :class:`~mithril_async.pipeline.reader.VersionReader`. At most one save is in flight;
+the one :class:`~mithril_async.restore.reader.VersionReader`. At most one save is in flight;
 a failure there aborts only that save, leaves the previous version untouched, and is raised by
 the next ``save()``/``wait_until_finished()``/``check_for_errors()``.
 
@@ -43,12 +43,11 @@ from mithril_async.errors import (
     VersionNotFound,
 )
 from mithril_async.layout import RunLayout, new_run_id
-from mithril_async.pipeline.blobs import BlobCodec
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.lossy import LossyTrack
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.pipeline.reader import DecodedVersion, VersionReader
+from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
@@ -147,7 +146,6 @@ class CheckpointManager:
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         self._pool = CodecPool(threads, "mithril-codec", initializer=lower_priority,
                                initargs=(cfg.pipeline.background_nice,))
-        self._codec = BlobCodec(cfg.compression, cfg.pipeline, self._pool)
         encoder = BlobEncoder(cfg.compression, cfg.pipeline, self._pool)
         comp = cfg.compression
         chain_policy = ChainPolicy(
@@ -163,7 +161,8 @@ class CheckpointManager:
             retention=from_config(cfg) if retention is _UNSET else retention,
             sharded_model=sharded_model,
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None, on_save=on_save)
-        self._reader = VersionReader(self.catalog, codec=self._codec, pool=self._pool)
+        self._reader = VersionReader(self.catalog, pool=self._pool,
+                                     inflight_mib=cfg.pipeline.max_inflight_mib)
         self._loop: BackgroundLoop | None = None
         #: the last save's handle (its future: the save in flight), until its outcome has
         #: been taken; ``error_seen`` says whether its caller already saw its error

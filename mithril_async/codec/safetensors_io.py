@@ -1,4 +1,5 @@
-"""A streaming (sans-IO) safetensors writer, for blobs stored without compression.
+"""Safetensors headers, sans IO: written for blobs stored without compression, and parsed
+(checked) for reading them back.
 
 The safetensors layout is: u64 little-endian header length, a JSON header mapping each tensor
 name to ``{dtype, shape, data_offsets}`` (plus ``__metadata__`` of string values), then the raw
@@ -8,12 +9,16 @@ bytes streamed after it; the file is readable by ``safetensors.safe_open``.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import struct
+from typing import Any, NamedTuple
 
 import torch
 
-from mithril_async.errors import UnsupportedDtype
+from mithril_async.codec.dtypes import dtype_info
+from mithril_async.errors import InvalidFormat, UnsupportedDtype
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -41,3 +46,64 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+#: safetensors dtype codes -> the codec's dtype names (torch's, without ``torch.``)
+DTYPE_NAMES = {code: str(dt).removeprefix("torch.") for dt, code in SAFETENSORS_DTYPES.items()}
+#: the largest header a reader accepts
+MAX_HEADER = 64 << 20
+
+
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: its place in the data area is ``[begin, end)``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def header_length(prefix: bytes, size: int, where: str) -> int:
+    """The JSON header's length from a file's first 8 bytes, checked to fit a file of
+    ``size`` bytes and :data:`MAX_HEADER`."""
+    hlen = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 <= hlen <= min(size - 8, MAX_HEADER):
+        raise InvalidFormat(f"{where}: safetensors header length {hlen} does not fit")
+    return hlen
+
+
+def parse_header(raw: bytes, data_len: int, where: str) -> tuple[list[Entry], dict[str, Any]]:
+    """The tensors of a safetensors header (sorted by place), each checked (known dtype, size
+    = elements x width, inside a data area of ``data_len`` bytes, no two overlapping), and its
+    ``__metadata__``."""
+    try:
+        header = json.loads(raw)
+    except ValueError as err:
+        raise InvalidFormat(f"{where}: safetensors header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise InvalidFormat(f"{where}: safetensors header is not a JSON object")
+    out = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPE_NAMES[e["dtype"]]
+            shape = tuple(int(x) for x in e["shape"])
+            b, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise InvalidFormat(f"{where}: malformed safetensors entry {name!r} ({err})") from None
+        width = dtype_info(dtype).itemsize
+        if any(x < 0 for x in shape) or not 0 <= b <= end <= data_len \
+                or end - b != width * math.prod(shape):
+            raise InvalidFormat(f"{where}: safetensors entry {name!r} does not fit its data")
+        out.append(Entry(name, dtype, shape, b, end))
+    out.sort(key=lambda x: x.begin)
+    for e1, e2 in itertools.pairwise(out):
+        if e2.begin < e1.end:
+            raise InvalidFormat(f"{where}: safetensors entries {e1.name!r} and {e2.name!r} "
+                                "overlap")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise InvalidFormat(f"{where}: safetensors __metadata__ is not a JSON object")
+    return out, meta

@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
 async def read_tree(target: Target, version: str | None, item: str) -> tuple[Any, str, int]:
     """(state tree, version id, step) of ``item`` ("all" = every item) of a version."""
     from mithril_async.errors import VersionNotFound
-    from mithril_async.pipeline.reader import VersionReader
+    from mithril_async.restore.reader import VersionReader
 
     run_id = target.run_ids[0]
     key = await resolve_version(target, run_id, version)

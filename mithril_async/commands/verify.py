@@ -31,7 +31,7 @@ from mithril_async.commands._common import (
     print_json,
     run_async,
 )
-from mithril_async.pipeline.reader import VersionReader
+from mithril_async.restore.reader import VersionReader
 
 
 class Damage(Exception):

@@ -245,7 +245,7 @@ class MithrilTrainerCallback(TrainerCallback):
         from mithril_async.catalog import open_catalog
         from mithril_async.errors import VersionNotFound
         from mithril_async.integrations.safetensors_file import flatten_tensors, write_safetensors
-        from mithril_async.pipeline.reader import VersionReader
+        from mithril_async.restore.reader import VersionReader
 
         run_id = self._run_id(args)
         if not (Path(self.runs_path) / run_id / "versions").is_dir():
@@ -284,7 +284,7 @@ class MithrilTrainerCallback(TrainerCallback):
     def _load_optimizer_and_scheduler(self, args: TrainingArguments,
                                       kwargs: dict[str, Any]) -> None:
         from mithril_async.catalog import open_catalog
-        from mithril_async.pipeline.reader import VersionReader
+        from mithril_async.restore.reader import VersionReader
 
         assert self._resume_version is not None
         want = [n for n, key in (("optimizer", "optimizer"), ("scheduler", "lr_scheduler"))

@@ -89,7 +89,7 @@ from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.state_dict import compress_state_dict
 from mithril_async.errors import ConfigError, InvalidFormat, SaveFailed
 from mithril_async.integrations._objects import pack_objects, snapshot, unpack_objects
-from mithril_async.pipeline.reader import read_tree_file
+from mithril_async.restore.reader import read_tree_file
 from mithril_async.state import flatten_state, unflatten_state
 from mithril_async.storage.atomic import fsync_dir, temp_path, unlink_quiet, write_all
 

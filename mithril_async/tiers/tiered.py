@@ -126,7 +126,7 @@ from mithril_async.manifest import (
 )
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
-from mithril_async.pipeline.reshard import Box, SavedPiece, plan_reads
+from mithril_async.restore.reshard import Box, SavedPiece, plan_reads
 from mithril_async.retention import apply_retention, from_config
 from mithril_async.storage.base import Store, check_range
 from mithril_async.storage.local import LocalStore

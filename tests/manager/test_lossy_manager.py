@@ -20,7 +20,7 @@ from mithril_async import (
     parse_config,
 )
 from mithril_async.catalog import open_catalog
-from mithril_async.pipeline.reader import read_version
+from mithril_async.restore.reader import read_version
 from mithril_async.storage.memory import MemoryStore
 from tests.manager.conftest import make_state, state_equal, train_step
 

@@ -90,7 +90,7 @@ def test_remote_only_restore_reads_each_blob_once(s3: MotoS3, tmp_path: Path,
     it in a separate pass first (a second read of every byte over the network): compressed
     blobs one pass straight into the live tensors (``verify = "block"``, the default),
     uncompressed ones (one whole-file hash, no per-block ones) into fresh tensors."""
-    import mithril_async.pipeline.reader as reader
+    import mithril_async.restore.execute as execute
     from mithril_async.storage.s3.store import S3Store
 
     prefix = s3.unique_prefix("once")
@@ -116,7 +116,7 @@ def test_remote_only_restore_reads_each_blob_once(s3: MotoS3, tmp_path: Path,
         raise AssertionError("a blob on S3 was verified in a separate pass")
 
     monkeypatch.setattr(S3Store, "get_range", counting)
-    monkeypatch.setattr(reader, "verify_blob", no_second_pass)
+    monkeypatch.setattr(execute, "verify_blob", no_second_pass)
     model2, opt2, batcher2 = make_state(seed=5)
     train_step(model2, opt2, batcher2)  # the optimizer has moments to restore into
     ptrs = {n: t.data_ptr() for n, t in model2.state_dict().items()}

@@ -23,7 +23,7 @@ from mithril_async import (
 from mithril_async.codec import compress_state_dict, decompress_state_dict, read_info
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import tensor_bytes
-from mithril_async.pipeline import blobs
+from mithril_async.restore import fresh
 from mithril_async.save import delta_choice as choice
 
 G = torch.Generator().manual_seed(0)
@@ -148,13 +148,13 @@ def test_restore_asks_each_base_only_for_what_its_deltas_need(
     decodes v1's "w" and nothing else of v1."""
     seen, held = _versions(tmp_path, 3, 'delta_base = "keyframe"\n')
     asked: list[tuple[str, Any]] = []
-    real = blobs.decode_tensors
+    real = fresh.decode_tensors
 
     def spy(info: Any, block_bytes: Any, **kw: Any) -> dict[str, Any]:
         asked.append((info.training_step, kw.get("only")))
         return real(info, block_bytes, **kw)
 
-    monkeypatch.setattr(blobs, "decode_tensors", spy)
+    monkeypatch.setattr(fresh, "decode_tensors", spy)
     cfg = parse_config(f'[checkpointing]\nruns_path = "{tmp_path}/runs"\nrun_id = "r"\n')
     with CheckpointManager(cfg, {"model": TensorDict(held)}) as m:
         assert m.restore_sync(3) == 3
@@ -212,7 +212,8 @@ def test_a_base_is_read_by_ranges_when_little_of_it_is_needed(tmp_path: Path) ->
 
 
 def test_read_partial_merges_adjacent_blocks_and_declines_big_parts(tmp_path: Path) -> None:
-    from mithril_async.pipeline import partial
+    from mithril_async.restore import sources
+    from mithril_async.restore.windows import group_windows
     from mithril_async.storage.local import LocalStore
 
     sd = {"a": _w(1 << 10), "b": _w(1 << 18), "c": _w(1 << 10)}
@@ -221,16 +222,17 @@ def test_read_partial_merges_adjacent_blocks_and_declines_big_parts(tmp_path: Pa
 
     async def go(names: set[str]) -> Any:
         await store.put("x.mckp", blob)
-        return await partial.read_partial(store, "x.mckp", len(blob), names)
+        return await sources.read_partial(store, "x.mckp", len(blob), names)
 
     got = asyncio.run(go({"a", "c"}))
     assert got is not None
     info, block_bytes = got
-    out = blobs.decode_tensors(info, block_bytes, only={"a", "c"})
+    out = fresh.decode_tensors(info, block_bytes, only={"a", "c"})
     assert set(out) == {"a", "c"} and all(torch.equal(out[k], sd[k]) for k in out)
     assert asyncio.run(go({"b"})) is None  # most of the blob: read whole
     refs = sorted(info.index.values(), key=lambda r: r.offset)[:3]
-    assert partial._merge(refs) == [(refs[0].offset, sum(r.length for r in refs))]
+    assert [span for span, _ in group_windows(refs, len(blob))] == [
+        (refs[0].offset, sum(r.length for r in refs))]
 
 
 def test_a_chain_of_bases_that_loops_is_refused_not_hung(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Restores decode straight into the live tensors (pipeline/inplace.py), block by block, each
+"""Restores decode straight into the live tensors (mithril_async/restore/), block by block, each
 block verified before it is written; a failure says whether the live state was touched."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from mithril_async import CheckpointManager, ChecksumMismatch, Config
 from mithril_async.codec.container import parse_blob
 from mithril_async.errors import RestoreIncomplete
-from mithril_async.pipeline.inplace import _windows
+from mithril_async.restore.windows import group_windows
 from mithril_async.storage.local import LocalStore
 from tests.manager.conftest import TinyNet, state_equal, train_step
 
@@ -139,7 +139,7 @@ def test_windows_group_adjacent_blocks_within_the_bound() -> None:
     from mithril_async.codec.container import BlockRef
 
     blocks = [BlockRef(0, i, 100 + 10 * i, 10) for i in range(5)] + [BlockRef(1, 0, 500, 50)]
-    got = _windows(blocks, 25)
+    got = group_windows(blocks, 25)
     assert [w for w, _ in got] == [(100, 20), (120, 20), (140, 10), (500, 50)]
     assert sum(len(b) for _, b in got) == 6
 

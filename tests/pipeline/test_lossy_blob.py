@@ -1,5 +1,6 @@
 """The lossless blob codec and the lossy tier read their own blobs: an MLDC blob is checked
-by :func:`read_lossy_blob`, and :class:`BlobCodec` refuses it instead of knowing its format."""
+by :func:`read_lossy_blob`, and the lossless :class:`FreshDecoder` refuses it instead of
+knowing its format."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import pytest
 import torch
 import xxhash
 
-from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
 from mithril_async.lossy.lossy_delta import LossyCheckpoint, LossyDeltaConfig, LossyDeltaEncoder
 from mithril_async.lossy.serial import checkpoint_to_bytes
 from mithril_async.lossy.training import adam_state
 from mithril_async.manifest import ShardRef
-from mithril_async.pipeline.blobs import BlobCodec
 from mithril_async.pipeline.lossy import read_lossy_blob
+from mithril_async.restore.fresh import FreshDecoder
 from mithril_async.storage.memory import MemoryStore
 
 KEY = "run/versions/v000001/lossy_rank0000.mldc"
@@ -66,12 +66,12 @@ def test_read_lossy_blob_checks_and_parses() -> None:
         _read(*_stored(b"MLDC" + bytes([9]) + data[5:]))
 
 
-def test_blob_codec_refuses_a_lossy_blob() -> None:
+def test_the_lossless_decoder_refuses_a_lossy_blob() -> None:
     store, ref = _stored(_mldc())
 
     async def go() -> object:
         with ThreadPoolExecutor(1) as pool:
-            return await BlobCodec(CompressionConfig(), PipelineConfig(), pool).read(store, ref)
+            return await FreshDecoder(pool).read(store, ref)
 
     with pytest.raises(InvalidFormat, match="mldc"):
         asyncio.run(go())

@@ -10,7 +10,6 @@ The multi-rank paths (gloo ranks, DTensors, FSDP2, the DCP oracle) are in
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,33 +24,37 @@ from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.distributed import ShardTarget
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.manifest import BaseRef, PieceMeta, ShardRef
-from mithril_async.pipeline import pieces as pieces_mod
-from mithril_async.pipeline.blobs import BlobCodec, EncodePlan, StagedItem
-from mithril_async.pipeline.inplace import Progress
-from mithril_async.pipeline.pieces import open_item, write_item
-from mithril_async.pipeline.reshard import Box
+from mithril_async.pipeline.pool import CodecPool
+from mithril_async.restore import execute as execute_mod
+from mithril_async.restore.execute import Context, Progress, open_item, write_item
+from mithril_async.restore.fresh import FreshDecoder
+from mithril_async.restore.plan import pieces_read
+from mithril_async.restore.reshard import Box
+from mithril_async.restore.targets import CopyRuns
+from mithril_async.save.items import EncodePlan, StagedItem
+from mithril_async.save.writers import BlobEncoder
 from mithril_async.storage import LocalStore
 
 PREFIX = "runs/x/versions/v000001"
 
 
 @pytest.fixture
-def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
-    p = concurrent.futures.ThreadPoolExecutor(1)  # one codec thread: blocks go in order
+def pool() -> Iterator[CodecPool]:
+    p = CodecPool(1)  # one codec thread: blocks go in order
     yield p
     p.shutdown()
 
 
-def _codec(pool: Any, compressed: bool = True, chunk: float = 64 / 1024) -> BlobCodec:
-    return BlobCodec(CompressionConfig(enabled=compressed, chunk_mib=chunk, auto_chunk=False),
-                     PipelineConfig(), pool)
+def _codec(pool: Any, compressed: bool = True, chunk: float = 64 / 1024) -> BlobEncoder:
+    return BlobEncoder(CompressionConfig(enabled=compressed, chunk_mib=chunk, auto_chunk=False),
+                       PipelineConfig(), pool)
 
 
 def _full(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02
 
 
-async def _save(codec: BlobCodec, store: LocalStore, fulls: dict[str, torch.Tensor],
+async def _save(codec: BlobEncoder, store: LocalStore, fulls: dict[str, torch.Tensor],
                 boxes: list[Box], step: int = 1, prefix: str = PREFIX,
                 plan: Any = None) -> dict[int, ShardRef]:
     """Rank ``r`` saves box ``boxes[r]`` of every tensor in ``fulls`` (one blob per rank)."""
@@ -85,13 +88,14 @@ async def _no_bases(base: object, names: object) -> dict[str, torch.Tensor]:
     raise AssertionError("no delta blobs here")
 
 
-async def _restore(codec: BlobCodec, store: LocalStore, refs: dict[int, ShardRef],
+async def _restore(codec: BlobEncoder, store: LocalStore, refs: dict[int, ShardRef],
                    targets: dict[str, ShardTarget], pool: Any, budget: int = 1 << 24,
                    verify: str = "block", load_blob: Any = _no_bases,
                    progress: Progress | None = None) -> Any:
-    opened = await open_item(codec, store, "v000001", 1, "model", refs, targets,
-                             load_blob, budget, verify)
-    await write_item(opened, store, pool, budget, progress or Progress())
+    ctx = Context(store, pool, FreshDecoder(pool), load_blob, budget)
+    opened = await open_item(ctx, pieces_read("model", refs, targets), "v000001", 1, verify,
+                             budget)
+    await write_item(ctx, opened, progress or Progress(), budget)
     return opened
 
 
@@ -172,7 +176,7 @@ def test_memory_stays_within_the_budget(tmp_path: Path, compressed: bool) -> Non
     """96 MiB of pieces, 48 MiB of them needed, restored with an 8 MiB budget: the restore
     allocates a few windows and a chunk per codec thread, not the pieces (it used to decode
     every needed piece into a buffer of its own first: the whole local state again)."""
-    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool = CodecPool(2)
     fulls = {f"w{i}": _full((1024, 1024), i) for i in range(24)}  # 4 MiB each
     saved = [Box((0, 0), (512, 1024)), Box((512, 0), (512, 1024))]
     need = Box((256, 0), (512, 1024))  # half of each saved piece
@@ -268,7 +272,7 @@ def test_an_uncompressed_blob_changed_between_its_reads_is_caught(
     codec = _codec(pool, compressed=False)
     store = LocalStore(tmp_path)
     refs = asyncio.run(_save(codec, store, fulls, ROWS2))
-    real = pieces_mod.verify_blob
+    real = execute_mod.verify_blob
 
     async def then_changed(store_: Any, ref: Any, *a: Any) -> None:
         await real(store_, ref, *a)
@@ -277,7 +281,7 @@ def test_an_uncompressed_blob_changed_between_its_reads_is_caught(
         data[-5] ^= 0xFF
         path.write_bytes(bytes(data))
 
-    monkeypatch.setattr(pieces_mod, "verify_blob", then_changed)
+    monkeypatch.setattr(execute_mod, "verify_blob", then_changed)
     progress = Progress()
     with pytest.raises(ChecksumMismatch, match="changed while it was restored"):
         asyncio.run(_restore(codec, store, refs, _targets(fulls, ROWS2[1]), pool,
@@ -306,7 +310,7 @@ def test_runs_copy_only_what_lies_in_a_segment() -> None:
     ``inside_one`` for chunks inside one run and across two."""
     live = torch.zeros(64, dtype=torch.uint8)
     runs = np.array([[0, 0, 10], [20, 10, 10], [40, 20, 10]], dtype=np.int64)
-    r = pieces_mod._Runs.of(runs, live)
+    r = CopyRuns.of(runs, live)
     data = np.arange(100, 130, dtype=np.uint8)  # piece bytes [15, 45)
     r.copy_from(15, data)
     got = live.numpy()

@@ -13,7 +13,7 @@ import torch
 from mithril_async import CheckpointManager, Config
 from mithril_async.catalog import open_catalog
 from mithril_async.errors import ChecksumMismatch, DistributedError, InvalidFormat
-from mithril_async.pipeline.reader import VersionReader, read_version
+from mithril_async.restore.reader import VersionReader, read_version
 from tests.manager.conftest import make_state, state_equal, train_step
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mithril_async.errors import InvalidFormat, MissingPrevious
-from mithril_async.pipeline.reshard import Box, SavedPiece, copy_runs, plan_reads
+from mithril_async.restore.reshard import Box, SavedPiece, copy_runs, plan_reads
 
 
 def _cuts(draw: st.DrawFn, size: int, parts: int) -> list[tuple[int, int]]:
@@ -188,20 +188,22 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
     [64, 128) reads the chunks covering them in saved rank 0's blob (about half of it), and
     nothing of rank 1's."""
     import asyncio
-    import concurrent.futures
 
     import torch
 
     from mithril_async.config import CompressionConfig, PipelineConfig
     from mithril_async.distributed import ShardTarget
     from mithril_async.manifest import PieceMeta, ShardRef
-    from mithril_async.pipeline.blobs import BlobCodec, StagedItem
-    from mithril_async.pipeline.inplace import Progress
-    from mithril_async.pipeline.pieces import open_item, write_item
+    from mithril_async.pipeline.pool import CodecPool
+    from mithril_async.restore.execute import Context, Progress, open_item, write_item
+    from mithril_async.restore.fresh import FreshDecoder
+    from mithril_async.restore.plan import pieces_read
+    from mithril_async.save.items import StagedItem
+    from mithril_async.save.writers import BlobEncoder
 
     full = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
-    pool = concurrent.futures.ThreadPoolExecutor(2)
-    codec = BlobCodec(CompressionConfig(chunk_mib=1024 / 2**20), PipelineConfig(), pool)
+    pool = CodecPool(2)
+    codec = BlobEncoder(CompressionConfig(chunk_mib=1024 / 2**20), PipelineConfig(), pool)
     store = _Counting()
 
     async def run() -> torch.Tensor:
@@ -219,11 +221,12 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
         async def no_bases(base: object, names: object) -> dict[str, torch.Tensor]:
             raise AssertionError("these blobs are no deltas")
 
-        opened = await open_item(codec, store, "v000001", 1, "model", refs,  # type: ignore[arg-type]
-                                 {"w": target}, no_bases, 1 << 24, "block")
+        ctx = Context(store, pool, FreshDecoder(pool), no_bases, 1 << 24)  # type: ignore[arg-type]
+        opened = await open_item(ctx, pieces_read("model", refs, {"w": target}), "v000001", 1,
+                                 "block", 1 << 24)
         assert local.abs().sum() == 0  # nothing written before write_item
         progress = Progress()
-        await write_item(opened, store, pool, 1 << 24, progress)  # type: ignore[arg-type]
+        await write_item(ctx, opened, progress, 1 << 24)
         assert opened.skeleton == {"D": [["w", {"T": "w"}]]}
         assert progress.items == {"model"}
         assert progress.written == ["runs/x/v/model_shard_rank0.bin"]

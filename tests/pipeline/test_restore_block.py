@@ -23,8 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-import mithril_async.pipeline.inplace as inplace
-import mithril_async.pipeline.reader as reader
+import mithril_async.restore.execute as execute
+import mithril_async.restore.stream as stream
+import mithril_async.restore.targets as targets
+import mithril_async.restore.windows as windows
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, ConfigError, parse_config
 from mithril_async.codec.container import BlockRef, parse_blob
 from mithril_async.errors import (
@@ -160,9 +162,9 @@ def _hold_until_others_decoded(store: GatedStore | GatedReaderStore, key: str, b
                                info: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The damaged block ``b`` is read only after every other block of blob ``key`` has been
     decoded into the live tensors (each block is its own window: ``WINDOW`` = 1 byte)."""
-    monkeypatch.setattr(inplace, "WINDOW", 1)
+    monkeypatch.setattr(windows, "WINDOW", 1)
     decoded = [0]
-    real = inplace.decode_chunk
+    real = stream.decode_chunk
 
     def counting(*a: Any, where: str = "", **k: Any) -> Any:
         out = real(*a, where=where, **k)
@@ -170,7 +172,7 @@ def _hold_until_others_decoded(store: GatedStore | GatedReaderStore, key: str, b
             decoded[0] += 1
         return out
 
-    monkeypatch.setattr(inplace, "decode_chunk", counting)
+    monkeypatch.setattr(stream, "decode_chunk", counting)
     others = len(info.index) - 1
 
     async def gate() -> None:
@@ -208,7 +210,7 @@ def test_block_mode_reads_each_blob_once_into_the_live_tensors(
     def no_whole_pass(*a: object, **k: object) -> None:
         raise AssertionError("an MCKP blob was verified in a separate pass")
 
-    monkeypatch.setattr(reader, "verify_blob", no_whole_pass)
+    monkeypatch.setattr(execute, "verify_blob", no_whole_pass)
     store = gated
     bytes_read.clear()
     with _manager(make_config, tmp_path, state, store) as mgr:
@@ -269,7 +271,7 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
     before = copy.deepcopy(model.state_dict())
     key, path = _model_blob(tmp_path, 1)
     b, info = _damage(path, "first")
-    monkeypatch.setattr(inplace, "WINDOW", 1)
+    monkeypatch.setattr(windows, "WINDOW", 1)
     store = gated
     never = asyncio.Event()
 
@@ -277,7 +279,7 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
         await never.wait()
 
     failed = threading.Event()
-    real = inplace.settled
+    real = stream.settled
 
     async def watched(pool: Any, calls: Any) -> None:
         try:
@@ -290,7 +292,7 @@ def test_a_damaged_first_block_with_nothing_written_is_its_own_error(
         assert failed.wait(120)  # waits until the damage is reported, then fails unwritten
         raise StorageError(errno.EIO, "held back by the test")
 
-    monkeypatch.setattr(inplace, "settled", watched)
+    monkeypatch.setattr(stream, "settled", watched)
     for other in info.index.values():
         if other.offset != b.offset:
             if isinstance(store, GatedStore):
@@ -425,13 +427,13 @@ def test_the_verify_mode_is_validated_and_chosen_by_the_config(
         tmp_path: Path, make_config: Callable[..., Config],
         monkeypatch: pytest.MonkeyPatch) -> None:
     whole = []
-    real = reader.verify_blob
+    real = execute.verify_blob
 
     async def counting(store: Any, ref: Any, *a: Any) -> None:
         whole.append(ref.key)
         await real(store, ref, *a)
 
-    monkeypatch.setattr(reader, "verify_blob", counting)
+    monkeypatch.setattr(execute, "verify_blob", counting)
     with pytest.raises(ConfigError, match=r"checkpointing\.restore\.verify"):
         parse_config('[checkpointing]\n[checkpointing.restore]\nverify = "blocks"\n')
     assert parse_config("[checkpointing]\n").checkpointing.restore.verify == "block"
@@ -501,14 +503,14 @@ def test_any_error_of_the_fallback_after_a_partial_overwrite_is_restore_incomple
 
 def test_window_plan_fits_the_budget_locally_and_over_a_network() -> None:
     mib = 1 << 20
-    assert inplace.window_plan(128 * mib, 2) == (4 * mib, 4)  # codec threads busy
-    assert inplace.window_plan(8 * mib, 16) == (4 * mib, 2)  # the budget bounds it
+    assert windows.window_plan(128 * mib, 2) == (4 * mib, 4)  # codec threads busy
+    assert windows.window_plan(8 * mib, 16) == (4 * mib, 2)  # the budget bounds it
     # remote: larger reads, as many as the store's requests, within the budget
-    assert inplace.window_plan(128 * mib, 2, remote=8) == (8 * mib, 8)
-    assert inplace.window_plan(32 * mib, 2, remote=8) == (8 * mib, 4)
-    assert inplace.window_plan(8 * mib, 2, remote=8) == (4 * mib, 2)
+    assert windows.window_plan(128 * mib, 2, remote=8) == (8 * mib, 8)
+    assert windows.window_plan(32 * mib, 2, remote=8) == (8 * mib, 4)
+    assert windows.window_plan(8 * mib, 2, remote=8) == (4 * mib, 2)
     for budget in (16 * mib, 40 * mib, 256 * mib):
-        window, depth = inplace.window_plan(budget, 2, remote=8)
+        window, depth = windows.window_plan(budget, 2, remote=8)
         assert window * depth <= budget
 
 
@@ -524,14 +526,14 @@ def test_a_live_tensor_of_another_dtype_is_restored_in_place_through_the_ring(
     saved = copy.deepcopy(model.state_dict())
     live = TinyNet().double()
     ptrs = {n: t.data_ptr() for n, t in live.state_dict().items()}
-    rings: list[inplace.StagingRing] = []
+    rings: list[targets.StagingRing] = []
 
-    class Watched(inplace.StagingRing):
+    class Watched(targets.StagingRing):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
             rings.append(self)
 
-    monkeypatch.setattr(inplace, "StagingRing", Watched)
+    monkeypatch.setattr(stream, "StagingRing", Watched)
     with _manager(make_config, tmp_path, {"model": live}) as mgr:
         got = mgr._bg(mgr._read("latest", False, "all"))
         assert got.in_place == {"model"}
@@ -560,18 +562,18 @@ def test_the_ring_copies_every_element_once_through_the_devices_copier(
     spans: dict[int, list[tuple[int, int]]] = {}
     devices: list[torch.device] = []
 
-    class Recording(inplace.HostCopier):
+    class Recording(targets.HostCopier):
         def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
             base = dst.untyped_storage().data_ptr()
             first = (dst.data_ptr() - base) // dst.element_size()
             spans.setdefault(base, []).append((first, first + dst.numel()))
             super().copy(dst, src)
 
-    def copier_for(device: torch.device) -> inplace.HostCopier:
+    def copier_for(device: torch.device) -> targets.HostCopier:
         devices.append(device)
         return Recording()
 
-    monkeypatch.setattr(inplace, "copier_for", copier_for)
+    monkeypatch.setattr(targets, "copier_for", copier_for)
     with _manager(make_config, tmp_path, {"model": live}) as mgr:
         assert mgr.restore_sync("latest") == 1
     assert devices == [torch.device("cpu")]  # one copier per device of the blob's targets
@@ -585,7 +587,7 @@ def test_the_ring_copies_every_element_once_through_the_devices_copier(
 
 def test_stageable_targets() -> None:
     t = torch.zeros(4, 6, dtype=torch.float64)
-    assert inplace.stageable(t, "float32", (4, 6))
-    assert not inplace.stageable(t.t(), "float32", (6, 4))  # not contiguous: fresh tensor
-    assert not inplace.stageable(t, "float32", (6, 4))  # another shape
-    assert not inplace.stageable(torch.zeros(0), "float32", (0,))
+    assert targets.stageable(t, "float32", (4, 6))
+    assert not targets.stageable(t.t(), "float32", (6, 4))  # not contiguous: fresh tensor
+    assert not targets.stageable(t, "float32", (6, 4))  # another shape
+    assert not targets.stageable(torch.zeros(0), "float32", (0,))

@@ -16,7 +16,7 @@ from mithril_async.errors import KeyNotFound
 from mithril_async.layout import RunLayout
 from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.pipeline.reader import VersionReader
+from mithril_async.restore.reader import VersionReader
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob

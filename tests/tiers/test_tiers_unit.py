@@ -16,7 +16,7 @@ import torch
 from mithril_async import parse_config
 from mithril_async.errors import ConfigError, StorageError
 from mithril_async.manifest import BlobRef, VersionManifest
-from mithril_async.pipeline.reshard import Box
+from mithril_async.restore.reshard import Box
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import (

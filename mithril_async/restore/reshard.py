@@ -13,9 +13,8 @@ another world size or mesh needs other boxes. For each tensor this module comput
   nbytes)`` from the saved piece's row-major bytes to the live local tensor's (whole trailing
   dimensions merged into one run), for the native batched copy.
 
-No I/O, no torch: the reader (:mod:`mithril_async.pipeline.inplace`) does the reading and
-copying; the Hypothesis tests (``tests/pipeline/test_reshard.py``) check this against numpy
-slicing on random shapes and partitions, uneven ones included.
+No I/O, no torch: the restore plan (:mod:`mithril_async.restore.plan`) uses it, and the
+executor does the reading and copying.
 """
 
 from __future__ import annotations
