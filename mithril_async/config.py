@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import re
+import signal
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -129,6 +130,31 @@ def check_host_memory(comp: CompressionConfig, pipe: PipelineConfig) -> None:
             "a blob's first bytes) plus 4 MiB; raise it or lower chunk_mib")
 
 
+#: signals ``save_on_signals`` refuses, and why
+REFUSED_SIGNALS = {
+    **dict.fromkeys(("SIGKILL", "SIGSTOP"), "it cannot be caught"),
+    **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS"),
+                    "it reports a fault of this process, not a request to stop"),
+    **dict.fromkeys(("SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH", "SIGTSTP", "SIGTTIN",
+                     "SIGTTOU"), "it does not end a process by default"),
+}
+
+
+def check_signal_names(names: list[str]) -> list[str]:
+    """``names`` if each is a signal this platform has (``"SIGTERM"``, as ``signal.Signals``
+    spells it), given once, that ends a process by default and can be caught."""
+    known = {s.name for s in signal.Signals}
+    for name in names:
+        if name not in known:
+            raise ValueError(f"{name!r} is not a signal name of this platform (use names such "
+                             "as \"SIGTERM\", \"SIGUSR1\")")
+        if name in REFUSED_SIGNALS:
+            raise ValueError(f"{name} cannot become a save: {REFUSED_SIGNALS[name]}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a signal is named twice in {names}")
+    return names
+
+
 class RestoreConfig(_Strict):
     """How restores verify what they write into the live state (``[checkpointing.restore]``).
 
@@ -223,6 +249,21 @@ class CheckpointingConfig(_Strict):
     remote: RemoteConfig | None = None
     restore: RestoreConfig = Field(default_factory=lambda: RestoreConfig())
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
+    #: signals that become a save (mithril_async/preemption.py): the handler records one, the
+    #: next ``should_save()`` returns True, and once that save is durable the signal takes
+    #: its previous effect. Empty by default: a library does not change how a process reacts
+    #: to signals unless asked (``["SIGTERM"]`` is what SLURM and Kubernetes send before
+    #: their SIGKILL; SLURM's ``--signal=USR1@90`` sends SIGUSR1)
+    save_on_signals: list[str] = Field(default_factory=list)
+    #: after the save a signal asked for is durable, deliver the signal with its previous
+    #: disposition (the process ends as it would have); false: ``manager.preempted`` becomes
+    #: True and the loop decides
+    exit_after_signal_save: bool = True
+    #: seconds after a signal within which a save must be asked for (a ``save()`` call);
+    #: past them the signal is delivered anyway (a loop that never asks is not kept alive).
+    #: Below the 30 s SLURM (KillWait) and Kubernetes (terminationGracePeriodSeconds) leave
+    #: before their SIGKILL, so a save asked for late still has time to finish
+    signal_grace_s: float = Field(20.0, gt=0, le=86_400)
     #: [checkpointing.tiers] (node-local tier, peer replicas, remote): the raw table, validated
     #: by mithril_async.tiers.TiersConfig when a Tiers is built from this config; None: off
     tiers: dict[str, Any] | None = None
@@ -249,6 +290,11 @@ class CheckpointingConfig(_Strict):
         if not v.strip():
             raise ValueError("runs_path must not be empty")
         return v
+
+    @field_validator("save_on_signals")
+    @classmethod
+    def _signal_names(cls, v: list[str]) -> list[str]:
+        return check_signal_names(v)
 
 
 class Config(BaseModel):

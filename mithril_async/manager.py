@@ -43,12 +43,14 @@ from mithril_async.errors import (
     VersionNotFound,
 )
 from mithril_async.layout import RunLayout, new_run_id
+from mithril_async.listeners import Listener, ResultListeners
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.lossy import LossyTrack
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.pipeline.results import SaveHandle, SaveResult
+from mithril_async.preemption import Preemption
+from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
 from mithril_async.save.context import SaveContext
@@ -100,6 +102,11 @@ class CheckpointManager:
 
     ``retention``: a :class:`~mithril_async.retention.Policy` deciding which versions survive
     each commit (None keeps everything); left out, the config's ``keep_*`` options decide.
+
+    ``on_result``: called with every save's :class:`SaveResult` (committed, failed or skipped)
+    on a thread of its own, never the caller's (:mod:`~mithril_async.listeners`); more with
+    :meth:`add_listener`. ``on_save``: the older hook, committed results only, on the
+    background loop before the save's handle resolves.
     """
 
     def __init__(
@@ -110,6 +117,7 @@ class CheckpointManager:
         store: Store | None = None,
         runs_prefix: str | None = None,
         on_save: Callable[[SaveResult], None] | None = None,
+        on_result: Listener | None = None,
         coordinator: Coordinator | None = None,
         sharded_model: bool = False,
         retention: Policy | None = _UNSET,
@@ -143,6 +151,8 @@ class CheckpointManager:
         self.layout = RunLayout(runs_prefix or "runs", self.run_id)
         self.catalog = RunCatalog(self.store, self.layout,
                                   claim_stale_s=cfg.pipeline.claim_stale_s)
+        #: who hears of each save's result (listeners, the inline on_save hook)
+        self._results = ResultListeners(on_result, on_save)
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         self._pool = CodecPool(threads, "mithril-codec", initializer=lower_priority,
                                initargs=(cfg.pipeline.background_nice,))
@@ -160,7 +170,8 @@ class CheckpointManager:
             encoder=encoder, chain_policy=chain_policy,
             retention=from_config(cfg) if retention is _UNSET else retention,
             sharded_model=sharded_model,
-            lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None, on_save=on_save)
+            lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None,
+            on_save=self._results.inline)
         self._reader = VersionReader(self.catalog, pool=self._pool,
                                      inflight_mib=cfg.pipeline.max_inflight_mib)
         self._loop: BackgroundLoop | None = None
@@ -173,6 +184,9 @@ class CheckpointManager:
         self._maintained = False
         #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
         self._guard: StepGuard | None = None
+        #: save_on_signals: the signal handlers and what follows a signal (last: it installs
+        #: process-wide handlers)
+        self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
 
     @classmethod
     def from_toml(cls, path: str | Path, state: Mapping[str, Any], **kw: Any) -> CheckpointManager:
@@ -182,6 +196,19 @@ class CheckpointManager:
     def history(self) -> list[SaveResult]:
         """Every save's result, in order (skipped and failed ones included)."""
         return self._ctx.history
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(result)`` with the result of every save that ends from now on (see
+        ``on_result``); an exception in it is logged, never fails a save."""
+        self._results.add(fn)
+
+    def remove_listener(self, fn: Listener) -> None:
+        self._results.remove(fn)
+
+    @property
+    def preempted(self) -> bool:
+        """A save asked for by a signal ended (``exit_after_signal_save = false``): stop."""
+        return self.preemption is not None and self.preemption.preempted
 
     @property
     def _inflight(self) -> concurrent.futures.Future[SaveResult] | None:
@@ -315,6 +342,9 @@ class CheckpointManager:
             self.coordinator.close()
             for chain in self._ctx.chains.values():
                 chain.release()
+            self._results.close()  # every result delivered, before a signal takes effect
+            if self.preemption is not None:
+                self.preemption.close()
         if unseen is not None:
             if report:
                 raise SaveFailed(f"a background save failed: {unseen}") from unseen
@@ -323,7 +353,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ queries
     def should_save(self, step: int) -> bool:
-        return step > 0 and step % self.cfg.ckpting_save_iter == 0
+        """Whether to save ``step``: every ``ckpting_save_iter`` steps, and at the next call
+        after a signal of ``save_on_signals`` (with several ranks: call it at every step on
+        every rank, where they agree on the step a signal is saved at)."""
+        signalled = self.preemption is not None and self.preemption.due(step)
+        return signalled or (step > 0 and step % self.cfg.ckpting_save_iter == 0)
 
     def all_steps(self) -> list[int]:
         return [m.step for m in self._bg(self.catalog.versions(skip_damaged=True))]
@@ -407,6 +441,8 @@ class CheckpointManager:
         if steps is not None and step in steps:
             raise StepAlreadyExists(f"run {self.run_id}: step {step} is already committed; "
                                     "nothing is overwritten")
+        if self.preemption is not None:
+            self.preemption.saving(step)
 
     def _busy(self, step: int, t0: float) -> SaveHandle:
         if self.cfg.pipeline.on_busy == "error":
@@ -414,6 +450,7 @@ class CheckpointManager:
         res = SaveResult(step, status="skipped", stall_s=time.perf_counter() - t0)
         log.info("save of step %d skipped: previous save still in flight (on_busy=skip)", step)
         self.history.append(res)
+        self._results.publish(res)
         return SaveHandle(res)
 
     def _snapshot(self, job: SaveJob) -> list[Any]:
@@ -437,15 +474,19 @@ class CheckpointManager:
     def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None,
                 waited: float) -> SaveHandle:
         res = job.begin(metrics, waited)
-        self._handle = SaveHandle(res, self.loop.submit(job.run()))
+        if self.preemption is not None:
+            self.preemption.submitted(job.step)
+        self._handle = SaveHandle(res, self.loop.submit(self._results.follow(job.run(), res)))
         return self._handle
 
     async def wait_until_finished(self) -> None:
-        """Wait for the in-flight save; raise :class:`SaveFailed` if it failed."""
+        """Wait for the in-flight save and its listeners; raise :class:`SaveFailed` if it
+        failed."""
         fut = self._inflight
         if fut is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wrap_future(fut)
+        await asyncio.get_running_loop().run_in_executor(None, self._results.flush)
         self.check_for_errors()
 
     def wait(self) -> None:
@@ -453,6 +494,7 @@ class CheckpointManager:
         fut = self._inflight
         if fut is not None:
             concurrent.futures.wait([fut])
+        self._results.flush()
         self.check_for_errors()
 
     # ------------------------------------------------------------ restore

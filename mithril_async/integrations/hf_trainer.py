@@ -26,6 +26,27 @@ batch was fetched, which is where the Trainer restores the RNG when it resumes m
 restores it at an epoch boundary) or ``on_train_end``. Model, optimizer and scheduler have not
 moved since the step.
 
+Preemption (``config={"save_on_signals": ["SIGTERM"]}``, see
+:mod:`~mithril_async.preemption`): the callback makes its manager, and so installs the
+handler, at ``on_train_begin``; a signal during ``trainer.train()`` marks the current step due
+at its ``on_step_end`` (the snapshot follows as above), and once that save is durable the
+signal takes its previous effect (SIGTERM's default: the process ends as SLURM or Kubernetes
+meant). With ``exit_after_signal_save = false`` the callback sets
+``control.should_training_stop`` instead, and ``train()`` returns after the save. Only world
+process zero saves, so only it holds the signal back; other processes keep their own
+disposition.
+
+Save results reach the Trainer's loggers: each save that ends (a result listener of the
+manager, called off the training thread) is logged at the next ``on_step_end`` or at
+``on_train_end``, on the training thread, through ``trainer.log`` (so ``log_history`` and
+every ``report_to`` integration see it): ``checkpoint/stall_ms`` (the loop's stall),
+``checkpoint/total_s``, ``checkpoint/ratio``, ``checkpoint/bytes`` (bytes written) and
+``checkpoint/step``; a failed save as ``checkpoint/failed = 1`` (and at ERROR in the Python
+log), a skipped one as ``checkpoint/skipped = 1``. Callbacks are not given their Trainer: the
+callback finds the one whose callback handler calls it on the call stack at ``on_init_end``
+or ``on_train_begin``; without one (a loop that calls callbacks itself) the entries go to
+``state.log_history`` only.
+
 Resuming with ``trainer.train(resume_from_checkpoint=True)``: the Trainer looks for
 ``<output_dir>/checkpoint-<step>`` before any callback runs, so at ``on_init_end`` (the
 Trainer's construction) the callback materialises only what the Trainer itself reads there
@@ -49,8 +70,11 @@ import logging
 import os
 import re
 import shutil
+import sys
+from collections import deque
 from collections.abc import Coroutine
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -60,6 +84,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from mithril_async.config import Config, config_from_dict
 from mithril_async.errors import StepAlreadyExists
 from mithril_async.manager import CheckpointManager
+from mithril_async.pipeline.results import SaveResult
 
 __all__ = ["MithrilTrainerCallback", "write_hf_checkpoint"]
 
@@ -111,6 +136,10 @@ class MithrilTrainerCallback(TrainerCallback):
         #: the folder materialised for the Trainer's resume: path, step, files, bytes
         self.resume_info: dict[str, Any] | None = None
         self._resume_version: str | None = None
+        #: the Trainer whose ``log`` reports the saves (found when it calls us: module docs)
+        self.trainer: Any = None
+        #: results of ended saves, appended by the manager's listener, logged by the loop
+        self._ended: deque[SaveResult] = deque()
 
     # ---------------------------------------------------------------- config
     def _run_id(self, args: TrainingArguments) -> str:
@@ -139,7 +168,8 @@ class MithrilTrainerCallback(TrainerCallback):
                 items["optimizer"] = kwargs["optimizer"]
             if kwargs.get("lr_scheduler") is not None:
                 items["scheduler"] = kwargs["lr_scheduler"]
-            self.manager = CheckpointManager(self.make_config(args), items)
+            self.manager = CheckpointManager(self.make_config(args), items,
+                                             on_result=self._ended.append)
         return self.manager
 
     def _save(self, args: TrainingArguments, state: TrainerState,
@@ -169,6 +199,7 @@ class MithrilTrainerCallback(TrainerCallback):
     # ---------------------------------------------------------------- events
     def on_init_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
+        self.trainer = self.trainer or _calling_trainer(self)
         if self.resume_target is None or not state.is_world_process_zero:
             return
         try:
@@ -180,6 +211,9 @@ class MithrilTrainerCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
+        self.trainer = self.trainer or _calling_trainer(self)
+        if state.is_world_process_zero and self.make_config(args).checkpointing.save_on_signals:
+            self._manager(args, state, kwargs)  # the signal handler, before the first step
         info = self.resume_info
         if info is None:
             return
@@ -212,7 +246,8 @@ class MithrilTrainerCallback(TrainerCallback):
             due = state.global_step % self.every_n_steps == 0
         else:
             due = control.should_save  # the Trainer's save_strategy decided (steps, end)
-        self._take_over(control, due)
+        self._report_saves(state)
+        self._take_over(control, self._signal_due(state, control) or due)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
@@ -238,6 +273,28 @@ class MithrilTrainerCallback(TrainerCallback):
                     mgr.wait()
                 finally:
                     mgr.close()
+                    self._report_saves(state)
+
+    # ---------------------------------------------------------------- signals, loggers
+    def _signal_due(self, state: TrainerState, control: TrainerControl) -> bool:
+        """Whether a signal asks for a save of this step; stop once its save ended
+        (``exit_after_signal_save = false``)."""
+        mgr = self.manager
+        if mgr is None or mgr.preemption is None:
+            return False
+        if mgr.preempted:
+            control.should_training_stop = True
+        return mgr.preemption.due(state.global_step)
+
+    def _report_saves(self, state: TrainerState) -> None:
+        """Log the saves that ended since the last call through the Trainer (training
+        thread)."""
+        while self._ended:
+            logs = save_metrics(self._ended.popleft())
+            if self.trainer is not None:
+                self.trainer.log(logs)
+            else:
+                state.log_history.append({**logs, "step": state.global_step})
 
     # ---------------------------------------------------------------- resume
     def _materialize(self, args: TrainingArguments, target: str | int) -> None:
@@ -327,6 +384,32 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def save_metrics(res: SaveResult) -> dict[str, float]:
+    """The entries a save's result adds to the Trainer's logs."""
+    out = {"checkpoint/step": float(res.step)}
+    if res.status == "committed":
+        out.update({"checkpoint/stall_ms": (res.stall_s + res.step_wait_s) * 1e3,
+                    "checkpoint/total_s": res.total_s, "checkpoint/ratio": res.ratio,
+                    "checkpoint/bytes": float(res.bytes_out)})
+    else:
+        out[f"checkpoint/{res.status}"] = 1.0
+    return out
+
+
+def _calling_trainer(cb: TrainerCallback) -> Any:
+    """The ``transformers.Trainer`` whose callback handler is calling ``cb`` now, found on
+    the call stack (None when no Trainer is calling)."""
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and cb in getattr(owner.callback_handler, "callbacks", ()):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
