@@ -257,7 +257,8 @@ class Store(Protocol):
 
 class RangeReader(Protocol):
     """Ranged reads of one stored value on the calling thread (blocking), for a worker
-    thread that decodes what it reads (:func:`open_range_reader`)."""
+    thread that decodes what it reads (a store with
+    :class:`~mithril_async.storage.capabilities.RangeReading` opens one)."""
 
     def read(self, start: int, length: int) -> bytes:
         """``length`` bytes from ``start`` (fewer only at the end of the value)."""
@@ -266,21 +267,12 @@ class RangeReader(Protocol):
         """Release the value's handle; idempotent. No read may be running."""
 
 
-async def open_range_reader(store: Store, key: str) -> RangeReader | None:
-    """A blocking reader of ``key``'s byte ranges, where the store offers one (LocalStore:
-    one open file for all the ranges, read on the caller's worker thread, so a restore's
-    window costs one pool task instead of a thread hop for the read and another for the
-    decode), else None: the caller reads through :meth:`Store.get_range`. Optional, so stores
-    written against the protocol (S3, wrappers) keep working. :class:`KeyNotFound` when
-    absent, as ``get_range``."""
-    opener = getattr(store, "open_range_reader", None)
-    return None if opener is None else await opener(key)
-
-
 async def put_private(store: Store, key: str, data: bytes | memoryview) -> None:
     """:meth:`Store.put` of a value only the store's owner may read, where the store can
-    say so: a store with a ``put_private`` method (LocalStore: a 0600 file; MirrorStore: on
-    both sides) uses it, any other a plain ``put`` (S3 objects are private unless a bucket
-    policy shares them). Optional, so stores written against the protocol keep working."""
-    private = getattr(store, "put_private", None)
-    await (private(key, data) if private is not None else store.put(key, data))
+    say so (:class:`~mithril_async.storage.capabilities.PrivateWrites`: LocalStore writes a
+    0600 file, MirrorStore on both sides), else a plain ``put`` (S3 objects are private
+    unless a bucket policy shares them)."""
+    from mithril_async.storage.capabilities import PrivateWrites
+
+    await (store.put_private(key, data) if isinstance(store, PrivateWrites)
+           else store.put(key, data))

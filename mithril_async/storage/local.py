@@ -288,7 +288,7 @@ class LocalStore:
 
     async def open_range_reader(self, key: str) -> LocalRangeReader | None:
         """One open file for many ranged reads on a worker thread (see
-        :func:`~mithril_async.storage.base.open_range_reader`). None for a subclass that
+        :class:`~mithril_async.storage.capabilities.RangeReading`). None for a subclass that
         reads ranges its own way (overrides :meth:`get_range`): that way stays in use."""
         if type(self).get_range is not LocalStore.get_range:
             return None

@@ -27,6 +27,7 @@ from mithril_async.storage.base import (
     WriterContext,
     put_private,
 )
+from mithril_async.storage.capabilities import HasLocalRoot
 
 
 class MirrorWriter(WriterContext):
@@ -73,7 +74,7 @@ class MirrorStore:
 
     @property
     def root(self) -> object:
-        return getattr(self.primary, "root", None)
+        return self.primary.root if isinstance(self.primary, HasLocalRoot) else None
 
     async def get(self, key: str) -> bytes:
         try:
