@@ -6,7 +6,7 @@ renews while its save runs). Other processes share the run (a restarted job, ``m
 containers with one hostname but separate PID namespaces), so a claim is abandoned ("stale")
 only when its heartbeat has stopped for ``claim_stale_s``, or when its owner is provably dead:
 same boot and same PID namespace, and no such pid. A pid alone proves nothing across
-namespaces: that is how a live save used to be deleted.
+namespaces: taking it for one would delete live saves.
 
 Pure rules over parsed claim documents; :class:`~mithril_async.catalog.RunCatalog` reads and
 writes them in the store.

@@ -251,7 +251,7 @@ def from_local(tree: Any, like: Any) -> Any:
     return tree
 
 
-# -------------------------------------------------------------------- shard metadata (issue 25)
+# -------------------------------------------------------------------- shard metadata
 def state_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
     """``(name, leaf)`` of every tensor / numpy leaf of ``tree``, named exactly as
     :func:`~mithril_async.state.flatten_state` names them (same order, same ``#n`` for a

@@ -76,7 +76,7 @@ class PieceMeta(_Model):
     ``[offsets[d], offsets[d] + lengths[d])`` of every dimension ``d`` of ``global_shape``;
     ``replicated``: other ranks hold the same box (a ``Replicate`` mesh dimension, or a plain
     tensor such as an optimizer's step counter), so a restore reads one copy, the lowest
-    rank's. Absent in manifests written before issue 25 (and for unsharded state).
+    rank's. Absent in older manifests (and for unsharded state).
     """
 
     global_shape: list[int] = Field(max_length=64)
@@ -118,7 +118,7 @@ class BlobRef(_Keyed):
     base: BaseRef | None = None
     #: blobs holding full copies of tensors this blob only references (unchanged tensors)
     refs: list[BaseRef] = Field(default_factory=list)
-    #: tensor name -> where it sits in its global tensor, for sharded state (issue 25);
+    #: tensor name -> where it sits in its global tensor, for sharded state;
     #: written only when there is some, so other manifests are what they were
     pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=_falsy)
 

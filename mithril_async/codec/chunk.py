@@ -353,7 +353,7 @@ def _decode_native(mv: memoryview, meta: ChunkMeta, base: U8 | None, out: U8, wh
     inverse transform and the decoded bytes' hash), where it can: XXH3 chunk hashes, those
     plane methods, a transform with a native inverse, the native kernels in use. False: the
     per-plane path is to decode it; also when the native call finds a plane it cannot
-    decode, so that the per-plane path names what is wrong exactly as it always has."""
+    decode, so that the per-plane path names exactly what is wrong."""
     tr = None if meta.transform & ~(DELTA_BIT | 0x7F) else REGISTRY.get(meta.transform & 0x7F)
     if tr is None or tr.native_kind is None or meta.width not in tr.widths:
         return False

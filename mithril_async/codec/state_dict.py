@@ -93,8 +93,8 @@ def compress_state_dict(
     against it (the blob records each base's xxh64, so decoding against the wrong base fails
     loudly).  Inputs are never mutated.  ``params`` overrides level/byte_grouping/chunk_bytes.
 
-    How the threads are used (issue 21: what the calling thread does alone caps the speed-up
-    of more cores): each tensor's chunks go to the pool as soon as that tensor is looked at,
+    How the threads are used (what the calling thread does alone caps the speed-up of more
+    cores): each tensor's chunks go to the pool as soon as that tensor is looked at,
     so coding starts with the first one while this thread looks at the rest and makes the
     header; each finished block is appended to the blob (block header, index entry, the
     running whole-blob hash) in order by whichever pool thread finishes the chunk that is
