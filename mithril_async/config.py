@@ -270,11 +270,23 @@ class CheckpointingConfig(_Strict):
     #: other top-level tables of the TOML recorded with the run (runs/<id>/config/), secret-
     #: looking values redacted; by default only [checkpointing] is (other tables hold secrets)
     record_config: list[str] = Field(default_factory=list)
+    #: when the manager closes (cleanly, rank 0, after it committed a version), export the
+    #: run's latest version to Hugging Face's format (mithril_async/export/hf.py): true into
+    #: <runs_path>/<run_id>/export/hf, a string into that folder; either replaces the
+    #: previous export there
+    export_hf_on_close: bool | str = False
 
     @field_validator("record_config")
     @classmethod
     def _table_names(cls, v: list[str]) -> list[str]:
         return _no_blank(v, "table names")
+
+    @field_validator("export_hf_on_close")
+    @classmethod
+    def _export_folder(cls, v: bool | str) -> bool | str:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("must be true, false or a folder, not an empty string")
+        return v
 
     @model_validator(mode="after")
     def _budget_fits_a_chunk(self) -> CheckpointingConfig:

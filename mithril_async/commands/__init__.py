@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-MODULES = ("ls", "inspect", "verify", "restore", "gc", "compress", "decompress", "analyze")
+MODULES = ("ls", "inspect", "verify", "restore", "export", "gc", "compress", "decompress",
+           "analyze")
 
 
 def add_all(sub: Any) -> None:

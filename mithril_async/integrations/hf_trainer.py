@@ -58,6 +58,13 @@ when ``optimizer.pt`` exists, and the callback loads them into the live objects 
 goes once the Trainer has read it, at the first step. A later HF checkpoint in ``output_dir``
 (a higher step) wins as usual; ``resume_target=None`` turns this off. Only world process zero
 saves (replicated data parallel); sharded models (FSDP/DeepSpeed ZeRO-3) are not supported.
+
+Exports: when it creates its manager (the first save of a process) the callback records the
+model's ``config.json`` (and ``generation_config.json`` for a model that generates) and the
+Trainer's ``processing_class`` (tokenizer or processor) files into the run
+(:func:`~mithril_async.export.hf_files.record_hf_files`), so ``mithril export RUN --hf DIR``
+writes a folder ``from_pretrained`` loads. A failure there is logged with its traceback and
+training goes on (an export then holds the weights only, and says so).
 """
 
 from __future__ import annotations
@@ -170,7 +177,23 @@ class MithrilTrainerCallback(TrainerCallback):
                 items["scheduler"] = kwargs["lr_scheduler"]
             self.manager = CheckpointManager(self.make_config(args), items,
                                              on_result=self._ended.append)
+            self._record_hf_files(kwargs)
         return self.manager
+
+    def _record_hf_files(self, kwargs: dict[str, Any]) -> None:
+        """The model's config and the tokenizer's files into the run, for exports."""
+        from mithril_async.export.hf_files import record_hf_files
+
+        assert self.manager is not None
+        try:
+            names = record_hf_files(self.manager, kwargs["model"],
+                                    kwargs.get("processing_class"))
+        except Exception:  # checkpoints matter more than the files an export copies
+            log.exception("could not record the model's Hugging Face files in run %s (an "
+                          "export of it will hold the weights only)", self.manager.run_id)
+            return
+        log.info("recorded %s in run %s for exports", ", ".join(names) or "no files",
+                 self.manager.run_id)
 
     def _save(self, args: TrainingArguments, state: TrainerState,
               kwargs: dict[str, Any]) -> None:
