@@ -9,6 +9,9 @@ own handlers; damaged files; a reader without our handlers.
 from __future__ import annotations
 
 import hashlib
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +38,7 @@ from mithril_async.integrations.orbax import (
     disable_globally,
     enable_globally,
 )
+from mithril_async.integrations.orbax.blobs import SavedItem
 from mithril_async.integrations.orbax.layout import is_blob_name
 from tests.integrations._orbax_env import devices  # sets XLA_FLAGS
 
@@ -349,3 +353,28 @@ def test_bad_settings_are_refused() -> None:
         MithrilCheckpointHandler(threads=0)
     with pytest.raises(TypeError, match="type_handler_registry"):
         MithrilCheckpointHandler(type_handler_registry=ocp.type_handlers.create_type_handler_registry())
+
+
+def test_two_processes_each_write_only_their_replica_0_shards(tmp_path: Path) -> None:
+    """A real two-process jax.distributed job (2 CPU devices each, a 2x2 mesh across both):
+    every process writes its own blob with its replica-0 shards only, and each restores its
+    shards of other shardings bit-exact (checked in the workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("_orbax_worker.py")
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(tmp_path / "c")],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"process {i}: ok" in out, out[-3000:]
+    names = [p.name for p in blobs(tmp_path / "c")]
+    assert [n[:14] for n in names] == ["mithril-p00000", "mithril-p00001"]
+    with SavedItem(str(tmp_path / "c")) as item:
+        files = {k: sorted(Path(p.file).name[:14] for p in r.pieces)
+                 for k, r in item.records.items()}
+    assert files == {"w": ["mithril-p00000"] * 2 + ["mithril-p00001"] * 2,
+                     "rows": ["mithril-p00000", "mithril-p00001"],
+                     "rep": ["mithril-p00000"]}

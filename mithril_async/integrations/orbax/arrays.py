@@ -59,7 +59,18 @@ def _serialized_sharding(sharding: jax.sharding.Sharding) -> str | None:
     return None if meta is None else meta.to_serialized_string()
 
 
-def snapshot_jax(value: jax.Array, name: str, arg: ocp_types.SaveArgs) -> HostParam:
+def _start_copy(data: jax.Array, device: jax.Device, pinned: bool) -> jax.Array:
+    """Start ``data``'s copy to the host: into pinned host memory when asked and the device
+    has some (as Orbax's ``enable_pinned_host_transfer``), else the device's own copy."""
+    if pinned and any(m.kind == "pinned_host" for m in device.addressable_memories()):
+        return jax.device_put(data, jax.sharding.SingleDeviceSharding(
+            device, memory_kind="pinned_host"))
+    data.copy_to_host_async()
+    return data
+
+
+def snapshot_jax(value: jax.Array, name: str, arg: ocp_types.SaveArgs, *,
+                 pinned: bool = False) -> HostParam:
     """Host copies of ``value``'s addressable replica-0 shards (cast to ``arg.dtype``)."""
     key_impl = None
     if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
@@ -68,12 +79,11 @@ def snapshot_jax(value: jax.Array, name: str, arg: ocp_types.SaveArgs) -> HostPa
     if arg.dtype is not None and np.dtype(arg.dtype) != value.dtype:
         value = value.astype(arg.dtype)
     shards = [s for s in value.addressable_shards if s.replica_id == 0]
-    for s in shards:
-        s.data.copy_to_host_async()
+    copies = [_start_copy(s.data, s.device, pinned) for s in shards]
     shape = tuple(value.shape)
     pieces = []
-    for s in shards:
-        host = np.asarray(s.data)
+    for s, data in zip(shards, copies, strict=True):
+        host = np.asarray(data)
         if s.device.platform == "cpu":  # a view of the device buffer itself
             host = host.copy()
         pieces.append((box_from_index(s.index, shape), host))

@@ -116,7 +116,8 @@ class _MithrilHandler(ocp_types.TypeHandler):
     async def metadata(self, infos: Sequence[ocp_types.ParamInfo],
                        ) -> Sequence[value_metadata.Metadata]:
         """``ArrayMetadata`` per param: shape, dtype, saved sharding (jax arrays), and the
-        shape of one saved piece as storage chunk and write shape."""
+        shape of one saved piece as storage chunk shape (and write shape, for jax arrays,
+        as Orbax records it only for those)."""
         def ours(_: SavedItem, reqs: list[_Request]) -> list[Any]:
             return [self._meta(r.record, r.info) for r in reqs]
 
@@ -133,7 +134,8 @@ class _MithrilHandler(ocp_types.TypeHandler):
         return value_metadata.ArrayMetadata(
             name=info.name, directory=info.parent_dir, shape=rec.shape, sharding=sharding,
             dtype=jax.numpy.dtype(DTYPES[rec.dtype].numpy_dtype),
-            storage=value_metadata.StorageMetadata(chunk_shape=piece, write_shape=piece))
+            storage=value_metadata.StorageMetadata(
+                chunk_shape=piece, write_shape=piece if self.kind == "jax" else None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,7 @@ class MithrilArrayHandler(_MithrilHandler):
             if jax.process_count() > 1 and v.is_fully_addressable:
                 raise ValueError(f"Cannot serialize host local jax.Array {info.name!r} in a "
                                  "multi-host setting (make it a global array first)")
-        params = [arrays.snapshot_jax(v, info.name, a)
+        params = [arrays.snapshot_jax(v, info.name, a, pinned=info.enable_pinned_host_transfer)
                   for v, info, a in zip(values, infos, args, strict=True)]
         return [self._commit(params, infos)]
 
