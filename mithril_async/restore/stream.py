@@ -53,8 +53,8 @@ from mithril_async.restore.windows import (
     settled,
     window_plan,
 )
-from mithril_async.storage.base import RangeReader, Store
-from mithril_async.storage.capabilities import RangeReading
+from mithril_async.storage.base import Store
+from mithril_async.storage.capabilities import RangeReader, RangeReading
 
 __all__ = ["copy_data_rehashed", "copy_safetensors_into", "decode_blocks",
            "decode_mckp_into", "write_pieces"]

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from mithril_async.errors import UnsafeKey
+from mithril_async.storage.capabilities import PrivateWrites
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=+@,-]+$")
 
@@ -255,24 +256,10 @@ class Store(Protocol):
         """Release connections and file handles."""
 
 
-class RangeReader(Protocol):
-    """Ranged reads of one stored value on the calling thread (blocking), for a worker
-    thread that decodes what it reads (a store with
-    :class:`~mithril_async.storage.capabilities.RangeReading` opens one)."""
-
-    def read(self, start: int, length: int) -> bytes:
-        """``length`` bytes from ``start`` (fewer only at the end of the value)."""
-
-    def close(self) -> None:
-        """Release the value's handle; idempotent. No read may be running."""
-
-
 async def put_private(store: Store, key: str, data: bytes | memoryview) -> None:
     """:meth:`Store.put` of a value only the store's owner may read, where the store can
     say so (:class:`~mithril_async.storage.capabilities.PrivateWrites`: LocalStore writes a
     0600 file, MirrorStore on both sides), else a plain ``put`` (S3 objects are private
     unless a bucket policy shares them)."""
-    from mithril_async.storage.capabilities import PrivateWrites
-
     await (store.put_private(key, data) if isinstance(store, PrivateWrites)
            else store.put(key, data))

@@ -11,13 +11,22 @@ store written against the plain protocol (a user's, a test's) keeps working with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from mithril_async.storage.base import RangeReader
+__all__ = ["BoundedConcurrency", "HasLocalRoot", "PrivateWrites", "RangeReader",
+           "RangeReading", "RemoteReads", "local_root", "read_concurrency"]
 
-__all__ = ["BoundedConcurrency", "HasLocalRoot", "PrivateWrites", "RangeReading",
-           "RemoteReads", "local_root", "read_concurrency"]
+
+class RangeReader(Protocol):
+    """Ranged reads of one stored value on the calling thread (blocking), for a worker
+    thread that decodes what it reads (a store with
+    :class:`~mithril_async.storage.capabilities.RangeReading` opens one)."""
+
+    def read(self, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start`` (fewer only at the end of the value)."""
+
+    def close(self) -> None:
+        """Release the value's handle; idempotent. No read may be running."""
 
 
 @runtime_checkable
