@@ -85,13 +85,15 @@ def compress_state_dict(
     level: int = 3, byte_grouping: bool = True, threads: int | None = None,
     chunk_bytes: int = CodecParams.chunk_bytes, step: int | None = None,
     metadata: dict[str, Any] | None = None, previous_checkpoint_hash: str | None = None,
-    params: CodecParams | None = None,
+    params: CodecParams | None = None, progress: Callable[[int], None] | None = None,
 ) -> bytes:
     """Compress a flat ``{name: tensor | ndarray}`` mapping into one MCKP blob (lossless).
 
     ``previous``: tensors present in both with the same dtype and shape are XOR-delta coded
     against it (the blob records each base's xxh64, so decoding against the wrong base fails
     loudly).  Inputs are never mutated.  ``params`` overrides level/byte_grouping/chunk_bytes.
+    ``progress(n)``: called with each chunk's raw byte count once its block is in the blob (on
+    whichever thread appends it; the calls add up to the state's raw bytes).
 
     How the threads are used (what the calling thread does alone caps the speed-up of more
     cores): each tensor's chunks go to the pool as soon as that tensor is looked at,
@@ -123,6 +125,8 @@ def compress_state_dict(
         assert writer is not None
         for (ti, ci), enc in zip(job, encs, strict=True):
             parts.extend(writer.add_parts(ti, ci, enc))
+            if progress is not None:
+                progress(entries[ti].chunks[ci][1])
 
     n = default_threads() if threads is None else max(1, threads)
     coder = _Coder(work, sink, n)
@@ -373,7 +377,7 @@ def _base_for(info: MckpInfo, ti: int, previous: Mapping[str, Tensorish] | None)
 def decompress_state_dict(
     blob: bytes | bytearray | memoryview, *, previous: Mapping[str, Tensorish] | None = None,
     threads: int | None = None, as_numpy: bool = False, verify: bool = True,
-    only: Collection[str] | None = None,
+    only: Collection[str] | None = None, progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Decode a blob made by :func:`compress_state_dict` into ``{name: torch.Tensor}``.
 
@@ -388,23 +392,28 @@ def decompress_state_dict(
     (the manager checks the manifest's).  Block payloads are not hashed again either way (the
     whole-blob hash covers them); every decoded chunk is still checked against its raw xxh64,
     and the decoders reject malformed planes, so no setting returns wrong bytes.
+    ``progress``: as :func:`decode_tensors`.
     """
     info = parse_blob(blob, verify=verify)
     mv = memoryview(blob).cast("B")
     return decode_tensors(info, lambda r: mv[r.offset:r.offset + r.length], previous=previous,
-                          threads=threads, as_numpy=as_numpy, only=only, verify_payload=False)
+                          threads=threads, as_numpy=as_numpy, only=only, verify_payload=False,
+                          progress=progress)
 
 
 def decode_tensors(
     info: MckpInfo, block_bytes: Callable[[BlockRef], bytes | memoryview], *,
     previous: Mapping[str, Tensorish] | None = None, threads: int | None = None,
     as_numpy: bool = False, only: Collection[str] | None = None, verify_payload: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Decode the tensors of a parsed blob whose blocks ``block_bytes(ref)`` supplies.
 
     The core of :func:`decompress_state_dict`, for readers that hold only some of a blob's
     bytes (ranged reads of the blocks ``only`` needs); ``verify_payload`` checks each block's
-    payload hash (needed when no hash over the whole blob was checked).
+    payload hash (needed when no hash over the whole blob was checked). ``progress(n)``:
+    called with each decoded chunk's raw byte count, on the decoding threads (the calls add up
+    to the raw bytes of the tensors decoded).
     """
     wanted = [only is None or t.name in only for t in info.tensors]
     bases = [_base_for(info, ti, previous) if wanted[ti] else None
@@ -421,6 +430,8 @@ def decode_tensors(
         decode_chunk(payload, meta, None if base is None else base[off:off + ln],
                      outs[ref.tensor][off:off + ln],
                      where=info.block_name(ref.tensor, ref.chunk), verify_payload=False)
+        if progress is not None:
+            progress(ln)
 
     _map(work, jobs, threads)
     result: dict[str, Any] = {}

@@ -1,4 +1,5 @@
-"""What every subcommand shares: finding runs on disk, reading versions, printing, progress.
+"""What every subcommand shares: finding runs on disk, reading versions, printing, progress
+bars.
 
 Why here and not in the library: these helpers interpret *command-line paths* (a runs folder, a
 run folder, a version folder, a manifest file) and print for humans or scripts; the library's
@@ -8,12 +9,15 @@ read-only except where a command says otherwise.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
+import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
@@ -135,33 +139,168 @@ def table(rows: list[list[str]], out: TextIO | None = None) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
 
 
-class Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal (never in --json)."""
+#: how often a progress bar is redrawn at most (seconds): the work reports every chunk, the
+#: terminal sees a few updates a second
+PROGRESS_INTERVAL_S = 0.2
 
-    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.done = 0
+
+class ProgressBar:
+    """A byte progress bar on stderr (tqdm: bytes done, total, rate, ETA), for long commands.
+
+    Shown only when ``enabled`` and stderr is a terminal; otherwise nothing is printed, tqdm
+    is never imported, and :attr:`callback` is None so the work runs exactly as without a bar.
+    Make one with :func:`progress_bar` (which reads ``--json`` / ``--quiet``) and use it as a
+    context manager (the bar's last line stays on screen when it closes)::
+
+        with progress_bar(args, "export", total=nbytes) as bar:
+            export(..., progress=bar.callback)            # callback(n): n more bytes done
+            export(..., on_progress=bar.update_to)        # or update_to(done, total)
+
+    ``advance`` / ``update_to`` may be called from any thread and as often as the work likes
+    (every chunk): they only add to a counter, and the terminal is redrawn at most every
+    :data:`PROGRESS_INTERVAL_S` seconds (and when the bar closes). ``total`` None: bytes and
+    rate without a percentage or ETA. :meth:`stage` starts the next phase on a new line
+    (``read``, then ``write``).
+    """
+
+    def __init__(self, label: str, total: int | None = None, *, enabled: bool = True) -> None:
         self.enabled = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+        self._lock = threading.Lock()
+        self._pending = 0  # counted, not yet shown
+        self._done = 0
         self._last = 0.0
+        if self.enabled:
+            self._open(label, total)
 
-    def advance(self, n: int = 1, note: str = "") -> None:
-        self.done += n
-        if not self.enabled:
+    @property
+    def done(self) -> int:
+        """Bytes counted in the current stage (0 when the bar is not shown)."""
+        return self._done
+
+    @property
+    def total(self) -> int | None:
+        """The current stage's total (None: unknown, or the bar is not shown)."""
+        return None if self._bar is None else self._bar.total
+
+    @property
+    def callback(self) -> Callable[[int], None] | None:
+        """:meth:`advance` when the bar is shown, else None (for a ``progress=`` parameter:
+        the work then makes no calls at all)."""
+        return self.advance if self.enabled else None
+
+    def _open(self, label: str, total: int | None) -> None:
+        try:
+            cols, rows = os.get_terminal_size(sys.stderr.fileno())
+        except OSError:
+            cols = rows = 0
+        # a terminal that reports no size (an unsized pseudo-terminal) gets 80x24: tqdm would
+        # print nothing in 0 columns or 0 rows
+        size: dict[str, Any] = ({"dynamic_ncols": True} if cols and rows else
+                                {"ncols": cols or 80, "nrows": rows or 24})
+        self._bar = _tqdm_class()(total=total, desc=label, unit="B", unit_scale=True,
+                                  unit_divisor=1024, file=sys.stderr, mininterval=0,
+                                  miniters=1, leave=True, **size)
+        self._pending = self._done = 0
+        self._last = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        """``n`` more bytes done."""
+        if self._bar is None:
             return
-        now = time.monotonic()
-        if now - self._last < 0.1 and self.done < self.total:
+        with self._lock:
+            self._pending += n
+            self._done += n
+            now = time.monotonic()
+            if now - self._last >= PROGRESS_INTERVAL_S:
+                self._flush(now)
+
+    def update_to(self, done: int, total: int | None = None) -> None:
+        """``done`` bytes done so far of ``total`` (None: the total stays as it was)."""
+        if self._bar is None:
             return
+        if total is not None and total != self._bar.total:
+            with self._lock:
+                self._bar.total = total
+                self._bar.refresh()
+        self.advance(done - self._done)
+
+    def _flush(self, now: float) -> None:
+        if self._pending:
+            self._bar.update(self._pending)
+            self._pending = 0
         self._last = now
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {note[:40]:<40}")
-        sys.stderr.flush()
+
+    def stage(self, label: str, total: int | None = None) -> None:
+        """Leave the current bar's last state on screen and count the next phase from 0."""
+        if self._bar is None:
+            return
+        self.close()
+        self._open(label, total)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self._bar is None:
+            return
+        with self._lock:
+            self._flush(time.monotonic())
+        self._bar.close()
+        self._bar = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@functools.cache
+def _tqdm_class() -> type:
+    """tqdm without its monitor thread: :class:`ProgressBar` decides when to redraw."""
+    from tqdm import tqdm
+
+    class Bar(tqdm):
+        monitor_interval = 0
+
+    return Bar
+
+
+def shows_progress(args: argparse.Namespace) -> bool:
+    """Whether the command shows a progress bar: stderr is a terminal and neither ``--json``
+    nor ``--quiet`` was given (work done only for the bar, such as reading a header for its
+    total, is skipped otherwise)."""
+    quiet = getattr(args, "json", False) or getattr(args, "quiet", False)
+    return not quiet and sys.stderr.isatty()
+
+
+def progress_bar(args: argparse.Namespace, label: str, total: int | None = None
+                 ) -> ProgressBar:
+    """The command's progress bar (:class:`ProgressBar`), shown when
+    :func:`shows_progress` and there is something to count (``total`` is not 0)."""
+    return ProgressBar(label, total, enabled=shows_progress(args) and total != 0)
+
+
+def decompress_total(args: argparse.Namespace, src: str | os.PathLike[str], out: Path
+                     ) -> int | None:
+    """The bytes ``decompress_file(src, out, progress=...)`` reports, for a progress bar's
+    total: the raw bytes ``src``'s header declares (decoded), twice for a ``.safetensors``
+    output (then written). Only the trailer, header and index are read, and only when the bar
+    shows; None when ``src`` cannot be read as an ``.mckp`` (the decompression then says
+    why)."""
+    from mithril_async.codec.container import MckpRangeReader
+    from mithril_async.errors import MithrilError
+
+    if not shows_progress(args):
+        return None
+    try:
+        with open(src, "rb") as f:
+            def read_range(offset: int, length: int) -> bytes:
+                f.seek(offset)
+                return f.read(length)
+
+            raw = MckpRangeReader(read_range, os.fstat(f.fileno()).st_size).open().original_size
+    except (MithrilError, OSError, ValueError):
+        return None
+    return raw * (2 if out.suffix == ".safetensors" else 1)
 
 
 async def gather_versions(target: Target) -> dict[str, list[VersionManifest]]:

@@ -11,7 +11,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mithril_async.commands._common import human, print_json, refuse_overwrite
+from mithril_async.commands._common import (
+    decompress_total,
+    human,
+    print_json,
+    progress_bar,
+    refuse_overwrite,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -23,6 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="codec threads (default: all)")
     p.add_argument("--force", action="store_true", help="replace the output if it exists")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print nothing on success (and no progress bar)")
     p.set_defaults(func=run)
 
 
@@ -32,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out is not None else Path(args.src).with_suffix(".safetensors")
     if refuse_overwrite(out, args.force, "decompress"):
         return 1
-    res = decompress_file(args.src, out, threads=args.threads)
+    with progress_bar(args, "decompress", decompress_total(args, args.src, out)) as bar:
+        res = decompress_file(args.src, out, threads=args.threads, progress=bar.callback)
     if args.json:
         print_json({"source": res.src, "to": res.dst, "tensors": res.tensors,
                     "raw_bytes": res.raw_bytes, "bytes": res.out_bytes})
-    else:
+    elif not args.quiet:
         print(f"{res.src} -> {res.dst}: {res.tensors} tensors, {human(res.out_bytes)}")
     return 0

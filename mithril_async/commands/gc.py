@@ -21,10 +21,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from mithril_async.claims import CLAIM_STALE_S
-from mithril_async.commands._common import Target, human, locate, print_json, run_async, table
+from mithril_async.commands._common import (
+    Target,
+    human,
+    locate,
+    print_json,
+    progress_bar,
+    run_async,
+    table,
+)
 
 #: the config's default ([checkpointing.pipeline] orphan_age_s), repeated here so ``mithril
 #: --help`` need not import the config models (tests/faults/test_shared_run.py checks they
@@ -50,6 +59,8 @@ def add_parser(sub: Any) -> None:
                         "and are kept (default: the config's pipeline.orphan_age_s, "
                         "%(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print nothing on success (and no progress bar)")
     p.set_defaults(func=run)
 
 
@@ -138,17 +149,20 @@ async def _still_planned(cat: Any, item: dict[str, Any]) -> str | None:
 
 
 async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
-                    args: argparse.Namespace) -> None:
+                    args: argparse.Namespace,
+                    progress: Callable[[int], None] | None = None) -> None:
     """Carry out ``plan``; leftovers of unfinished writes go by the same rules it was made
     with (a gone writer's whatever their age, a live save's never, others by age). Each
     removal first checks that what it removes is still what was planned (see the module
-    doc); an item left alone becomes a ``skip`` saying why."""
+    doc); an item left alone becomes a ``skip`` saying why. ``progress``: each item's
+    planned bytes once it is handled (removed or left alone)."""
     from mithril_async.manifest import version_number
 
     cat = target.catalog(run_id)
     lay = cat.layout
     for item in plan:
         why = None
+        planned = item["bytes"]
         if item["kind"] == "retention":
             why = await _still_planned(cat, item)
             if why is None:
@@ -162,6 +176,8 @@ async def apply_run(target: Target, run_id: str, plan: list[dict[str, Any]],
                 await cat.store.delete(key)
         if why is not None:
             item.update(kind="skip", why=f"left alone: {why}", keys=[], bytes=0)
+        if progress is not None:
+            progress(planned)
     # saves that started since the plan are as live as those it saw
     _, live_now = await cat.unfinished()
     live = {i["what"] + "/" for i in plan if i.get("live")}
@@ -178,7 +194,9 @@ async def gc(target: Target, args: argparse.Namespace) -> dict[str, list[dict[st
     for run_id in target.run_ids:
         plans[run_id] = await plan_run(target, run_id, args)
         if not args.dry_run:
-            await apply_run(target, run_id, plans[run_id], args)
+            todo = sum(i["bytes"] for i in plans[run_id])
+            with progress_bar(args, f"gc {run_id}", todo) as bar:
+                await apply_run(target, run_id, plans[run_id], args, bar.callback)
     return plans
 
 
@@ -195,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     total = sum(i["bytes"] for p in plans.values() for i in p)
     if args.json:
         print_json({"dry_run": args.dry_run, "bytes": total, "runs": plans})
+        return 0
+    if args.quiet:
         return 0
     rows = [["RUN", "KIND", "WHAT", "FILES", "SIZE"]]
     for run_id, plan in plans.items():

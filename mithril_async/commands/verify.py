@@ -23,12 +23,13 @@ from typing import Any
 
 from mithril_async.commands._common import (
     EXIT_CORRUPT,
-    Progress,
+    ProgressBar,
     Target,
     gather_versions,
     human,
     locate,
     print_json,
+    progress_bar,
     run_async,
 )
 from mithril_async.restore.reader import VersionReader
@@ -49,7 +50,8 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="PATH", help="runs folder, run, version, or .mckp file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--quiet", "-q", action="store_true", help="print only damage")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print only damage (and no progress bar)")
     p.set_defaults(func=run)
 
 
@@ -71,8 +73,9 @@ def locate_block(data: bytes) -> str | None:
     return None
 
 
-def check_mckp_bytes(data: bytes, where: str) -> int:
-    """Decode every block of a standalone blob; return its tensor count or raise Damage."""
+def check_mckp_bytes(data: bytes, where: str, bar: ProgressBar | None = None) -> int:
+    """Decode every block of a standalone blob; return its tensor count or raise Damage.
+    ``bar`` counts the raw bytes of the blocks checked."""
     from mithril_async.codec.chunk import decode_chunk
     from mithril_async.codec.container import block_from_bytes, parse_blob
     from mithril_async.errors import ChecksumMismatch, InvalidFormat
@@ -86,29 +89,32 @@ def check_mckp_bytes(data: bytes, where: str) -> int:
         raise Damage(where, str(err)) from None
     import numpy as np
 
+    if bar is not None:
+        bar.update_to(0, info.original_size)
     mv = memoryview(data)
     for ref in sorted(info.index.values(), key=lambda r: r.offset):
         name = info.block_name(ref.tensor, ref.chunk)
         try:
             meta, payload = block_from_bytes(mv[ref.offset:ref.offset + ref.length], ref, info)
-            if meta.is_delta:
-                continue  # the raw hash needs the base; header and payload hashes passed
-            out = np.empty(meta.raw_size, np.uint8)
-            decode_chunk(payload, meta, None, out, where=name, verify_payload=False)
+            if not meta.is_delta:  # a delta's raw hash needs the base; its own hashes passed
+                out = np.empty(meta.raw_size, np.uint8)
+                decode_chunk(payload, meta, None, out, where=name, verify_payload=False)
         except (ChecksumMismatch, InvalidFormat) as err:
             raise Damage(where, f"{name} at bytes {ref.offset}..{ref.offset + ref.length}: "
                          f"{err}") from None
+        if bar is not None:
+            bar.advance(meta.raw_size)
     return len(info.tensors)
 
 
 class Verifier:
-    """Walks versions of one run, raising :class:`Damage` at the first problem."""
+    """Walks versions of one run, raising :class:`Damage` at the first problem; ``bar``
+    counts the raw bytes of the blobs as they are decoded."""
 
-    def __init__(self, target: Target, run_id: str, progress: Progress) -> None:
+    def __init__(self, target: Target, run_id: str, bar: ProgressBar) -> None:
         self.target = target
         self.catalog = target.catalog(run_id)
-        self.reader = VersionReader(self.catalog)
-        self.progress = progress
+        self.reader = VersionReader(self.catalog, progress=bar.callback)
         self.blobs = 0
         self.bytes = 0
 
@@ -143,7 +149,6 @@ class Verifier:
                 raise Damage(ref.key, str(err)) from None
             self.blobs += 1
             self.bytes += ref.bytes
-            self.progress.advance(1, ref.key.rsplit("/", 2)[-2])
         if m.config is not None:
             await self.check_file(m.config.key, m.config.bytes, m.config.xxh64)
         for rk in m.rng.keys:
@@ -180,7 +185,7 @@ class Verifier:
                 raise Damage(lay.run_manifest_key, str(err)) from None
 
 
-async def verify_target(target: Target, progress: Progress) -> dict[str, Any]:
+async def verify_target(target: Target, bar: ProgressBar) -> dict[str, Any]:
     from mithril_async.errors import MithrilError
     from mithril_async.manifest import version_number
 
@@ -189,9 +194,9 @@ async def verify_target(target: Target, progress: Progress) -> dict[str, Any]:
         per_run = await gather_versions(target)
     except MithrilError as err:  # an unreadable manifest is damage, not a usage error
         raise Damage(str(target.path), str(err)) from None
-    progress.total = max(1, sum(len(m.blobs()) for ms in per_run.values() for m in ms))
+    bar.update_to(0, sum(b.raw_bytes for ms in per_run.values() for m in ms for b in m.blobs()))
     for run_id, versions in per_run.items():
-        v = Verifier(target, run_id, progress)
+        v = Verifier(target, run_id, bar)
         try:
             for m in versions:
                 await v.check_version(m)
@@ -210,23 +215,21 @@ async def verify_target(target: Target, progress: Progress) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     target = locate(args.path)
-    progress = Progress(1, "verify", enabled=not (args.json or args.quiet))
     try:
-        if target.kind == "file":
-            data = Path(target.path).read_bytes()
-            if data[:4] != b"MCKP":
-                raise Damage(str(target.path), "not an MCKP blob (bad magic)")
-            n = check_mckp_bytes(data, str(target.path))
-            summary: dict[str, Any] = {"files": 1, "tensors": n, "bytes": len(data)}
-        else:
-            summary = run_async(verify_target(target, progress))
+        with progress_bar(args, "verify") as bar:
+            if target.kind == "file":
+                data = Path(target.path).read_bytes()
+                if data[:4] != b"MCKP":
+                    raise Damage(str(target.path), "not an MCKP blob (bad magic)")
+                n = check_mckp_bytes(data, str(target.path), bar)
+                summary: dict[str, Any] = {"files": 1, "tensors": n, "bytes": len(data)}
+            else:
+                summary = run_async(verify_target(target, bar))
     except Damage as d:
-        progress.close()
         if args.json:
             print_json({"ok": False, "where": d.where, "error": d.detail})
         print(f"DAMAGED {d.where}: {d.detail}", file=sys.stderr)
         return EXIT_CORRUPT
-    progress.close()
     if args.json:
         print_json({"ok": True, **summary})
     elif not args.quiet:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,11 @@ __all__ = [
 
 #: MCKP metadata key holding the source file's ``__metadata__`` (a str -> str mapping)
 ST_METADATA_KEY = "safetensors.metadata"
+#: a file is written in slices of this many bytes, each reported to ``progress``
+WRITE_SLICE = 16 << 20
+
+#: ``progress(n)``: n more bytes done (see each function for which bytes)
+Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -77,16 +82,25 @@ def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tens
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str],
-                      metadata: Mapping[str, str] | None = None) -> int:
-    """Write ``tensors`` as a safetensors file (atomically); return its size in bytes."""
+                      metadata: Mapping[str, str] | None = None, *,
+                      progress: Progress | None = None) -> int:
+    """Write ``tensors`` as a safetensors file (atomically); return its size in bytes.
+    ``progress``: the tensor bytes written (the data area, not the header), slice by slice;
+    they add up to the tensors' bytes."""
     import safetensors.torch
 
     # shared or non-contiguous storage is refused by safetensors: give each tensor its own
     clean = {k: v.detach().cpu().contiguous().clone() if _shares(v) else
              v.detach().cpu().contiguous() for k, v in tensors.items()}
     data = safetensors.torch.save(clean, metadata=dict(metadata) if metadata else None)
+    view = memoryview(data)
+    head = 8 + int.from_bytes(data[:8], "little")  # the length prefix and the JSON header
     with atomic_output(path) as f:
-        f.write(data)
+        f.write(view[:head])
+        for i in range(head, len(data), WRITE_SLICE):
+            n = f.write(view[i:i + WRITE_SLICE])
+            if progress is not None:
+                progress(n)
     return len(data)
 
 
@@ -115,8 +129,11 @@ def flatten_tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def compress_file(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *,
-                  level: int = 3, threads: int | None = None) -> FileResult:
-    """Compress a ``.safetensors`` (or a ``.pt`` holding a state dict) into an MCKP blob."""
+                  level: int = 3, threads: int | None = None,
+                  progress: Progress | None = None) -> FileResult:
+    """Compress a ``.safetensors`` (or a ``.pt`` holding a state dict) into an MCKP blob.
+    ``progress``: the raw tensor bytes compressed, chunk by chunk (they add up to
+    ``raw_bytes``)."""
     src_p = Path(src)
     if not src_p.is_file():
         raise FileNotFoundError(f"no such file: {src_p}")
@@ -127,7 +144,7 @@ def compress_file(src: str | os.PathLike[str], dst: str | os.PathLike[str] | Non
         tensors, meta = flatten_tensors(obj), {}
     dst_p = Path(dst) if dst is not None else src_p.with_suffix(".mckp")
     blob = compress_state_dict(tensors, params=CodecParams(level=level), threads=threads,
-                               metadata={ST_METADATA_KEY: meta})
+                               metadata={ST_METADATA_KEY: meta}, progress=progress)
     with atomic_output(dst_p) as f:
         f.write(blob)
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -135,27 +152,33 @@ def compress_file(src: str | os.PathLike[str], dst: str | os.PathLike[str] | Non
 
 
 def decompress_file(src: str | os.PathLike[str], dst: str | os.PathLike[str] | None = None, *,
-                    threads: int | None = None) -> FileResult:
-    """Decode an MCKP blob into ``dst`` (``.safetensors``, the default, or ``.pt``)."""
+                    threads: int | None = None, progress: Progress | None = None) -> FileResult:
+    """Decode an MCKP blob into ``dst`` (``.safetensors``, the default, or ``.pt``).
+    ``progress``: the raw bytes decoded, chunk by chunk, then for ``.safetensors`` the tensor
+    bytes written (:func:`write_output`): twice the blob's raw bytes in all (once for
+    ``.pt``)."""
     src_p = Path(src)
     blob = src_p.read_bytes()
     info = read_info(blob)
-    tensors = decompress_state_dict(blob, threads=threads)
+    tensors = decompress_state_dict(blob, threads=threads, progress=progress)
     dst_p = Path(dst) if dst is not None else src_p.with_suffix(".safetensors")
     meta = info.metadata.get(ST_METADATA_KEY) or {}
     if not isinstance(meta, dict):
         raise InvalidFormat(f"{src_p}: malformed {ST_METADATA_KEY}")
-    size = write_output(tensors, dst_p, {str(k): str(v) for k, v in meta.items()})
+    size = write_output(tensors, dst_p, {str(k): str(v) for k, v in meta.items()},
+                        progress=progress)
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     return FileResult(str(src_p), str(dst_p), len(tensors), raw, size)
 
 
 def write_output(tree: Any, dst: str | os.PathLike[str],
-                 metadata: Mapping[str, str] | None = None) -> int:
-    """Write a state tree as ``.safetensors`` (tensors only) or ``.pt``; return bytes written."""
+                 metadata: Mapping[str, str] | None = None, *,
+                 progress: Progress | None = None) -> int:
+    """Write a state tree as ``.safetensors`` (tensors only) or ``.pt``; return bytes written.
+    ``progress``: as :func:`write_safetensors` (``torch.save`` of a ``.pt`` reports nothing)."""
     dst_p = Path(dst)
     if dst_p.suffix == ".safetensors":
-        return write_safetensors(flatten_tensors(tree), dst_p, metadata)
+        return write_safetensors(flatten_tensors(tree), dst_p, metadata, progress=progress)
     if dst_p.suffix in (".pt", ".pth", ".bin"):
         with atomic_output(dst_p) as f:
             torch.save(tree, f)

@@ -63,10 +63,17 @@ class _Opened:
 
 
 class FreshDecoder:
-    """Fetch, verify and decode lossless blobs into new tensors on ``pool``."""
+    """Fetch, verify and decode lossless blobs into new tensors on ``pool``.
 
-    def __init__(self, pool: Executor) -> None:
+    ``progress(n)``: called with the raw bytes of each chunk (or whole safetensors blob, or
+    referenced tensor) decoded for a whole blob asked for (:meth:`read` without ``only``,
+    :meth:`read_each`), on any thread; they add up to the blob's ``raw_bytes``. Parts of
+    blobs read along the way (delta bases, referenced tensors' holders) are not counted.
+    """
+
+    def __init__(self, pool: Executor, progress: Callable[[int], None] | None = None) -> None:
         self.pool = pool
+        self.progress = progress
 
     async def read(self, store: Store, ref: BlobRef, load_blob: LoadBlob | None = None,
                    only: frozenset[str] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -76,9 +83,12 @@ class FreshDecoder:
         referenced tensors come through ``load_blob``, each base asked only for what this
         blob's deltas need."""
         opened = await self._open(store, ref, only)
+        counted = self.progress if only is None else None
         if not isinstance(opened, _Opened):
+            if counted is not None:
+                counted(_nbytes(opened[1].values()))
             return opened  # safetensors: (skeleton, tensors), decoded whole
-        tensors = await self._decode(ref, opened, load_blob, only)
+        tensors = await self._decode(ref, opened, load_blob, only, counted)
         if only is None:
             _check_raw_bytes(ref, _nbytes(tensors.values()))
         return skeleton_of(opened.info.metadata, ref.key), tensors
@@ -92,13 +102,16 @@ class FreshDecoder:
         opened = await self._open(store, ref, None)
         if not isinstance(opened, _Opened):
             _check_raw_bytes(ref, _nbytes(opened[1].values()))
+            if self.progress is not None:
+                self.progress(ref.raw_bytes)
             for item in opened[1].items():
                 yield item
             return
         skeleton_of(opened.info.metadata, ref.key)  # a blob that restores must have one
         total = 0
         for name in [*(t.name for t in opened.info.tensors), *opened.refs]:
-            tensor = (await self._decode(ref, opened, new_loader(), frozenset((name,))))[name]
+            tensor = (await self._decode(ref, opened, new_loader(), frozenset((name,)),
+                                         self.progress))[name]
             total += _nbytes((tensor,))
             yield name, tensor
         _check_raw_bytes(ref, total)
@@ -174,9 +187,11 @@ class FreshDecoder:
         return deltas, loaded
 
     async def _decode(self, ref: BlobRef, opened: _Opened, load_blob: LoadBlob | None,
-                      only: frozenset[str] | None) -> dict[str, torch.Tensor]:
+                      only: frozenset[str] | None,
+                      progress: Callable[[int], None] | None = None
+                      ) -> dict[str, torch.Tensor]:
         """The tensors (``only`` these) of an opened blob, delta bases and referenced
-        tensors fetched through ``load_blob`` and checked."""
+        tensors fetched through ``load_blob`` and checked; ``progress`` counts their bytes."""
         info = opened.info
         loop = asyncio.get_running_loop()
         trefs = {name: r for name, r in opened.refs.items() if only is None or name in only}
@@ -186,7 +201,7 @@ class FreshDecoder:
         try:
             tensors = await loop.run_in_executor(None, lambda: decode_tensors(
                 info, opened.block_bytes, previous=previous, threads=threads, only=only,
-                verify_payload=opened.verify_blocks))
+                verify_payload=opened.verify_blocks, progress=progress))
         except ChecksumMismatch as err:  # name the blob: a block's own message cannot
             raise ChecksumMismatch(f"{ref.key}: {err.where}", err.expected,
                                    err.actual) from None
@@ -202,6 +217,8 @@ class FreshDecoder:
                 raise ChecksumMismatch(f"{ref.key}: referenced tensor {name!r} in "
                                        f"{tref.holder.key}", tref.xxh64, got)
             tensors[name] = t
+            if progress is not None:
+                progress(_nbytes((t,)))
         return tensors
 
 

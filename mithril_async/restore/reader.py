@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor
 from typing import Any
 
@@ -71,10 +71,14 @@ class VersionReader:
     ``pool``: the codec threads that decode (the manager passes its own); tools leave it
     out and the reader makes (and on ``close()`` releases) a pool of its own.
     ``inflight_mib``: the bytes in flight a restore may hold (``max_inflight_mib``).
+    ``progress(n)``: called (on any thread) with the raw bytes of the blobs it decodes whole
+    into fresh tensors as they are decoded (:class:`~mithril_async.restore.fresh.FreshDecoder`:
+    :meth:`check_blob`, and :meth:`read_version` with no live state), for a progress bar.
     """
 
     def __init__(self, catalog: RunCatalog, *, pool: Executor | None = None,
-                 inflight_mib: float = DEFAULT_INFLIGHT_MIB) -> None:
+                 inflight_mib: float = DEFAULT_INFLIGHT_MIB,
+                 progress: Callable[[int], None] | None = None) -> None:
         self.catalog = catalog
         self._own_pool: CodecPool | None = None
         if pool is None:
@@ -83,7 +87,7 @@ class VersionReader:
             pool = self._own_pool = CodecPool(default_threads(), "mithril-reader")
         self.pool = pool
         self.inflight = int(inflight_mib * (1 << 20))
-        self.decoder = FreshDecoder(pool)
+        self.decoder = FreshDecoder(pool, progress)
         #: for read(): bases decoded for one version are reused by the next
         self._loader = BaseLoader(catalog, self.decoder, "?")
 
@@ -115,6 +119,8 @@ class VersionReader:
         the blob plus one tensor whatever the blob claims (``mithril verify``)."""
         if not blob_format(ref.format, ref.key).lossless:  # checked and parsed only
             await self.read(ref)
+            if self.decoder.progress is not None:
+                self.decoder.progress(ref.raw_bytes)
             return
         async for _name, _tensor in self.decoder.read_each(
                 self.catalog.store, ref, lambda: BaseLoader(self.catalog, self.decoder,

@@ -34,9 +34,10 @@ def _wait_at_gate(planned: object) -> None:
 def hold_gc(runs: str) -> int:
     apply_run = gc.apply_run
 
-    async def held(target: Any, run_id: str, plan: list[dict[str, Any]], args: Any) -> None:
+    async def held(target: Any, run_id: str, plan: list[dict[str, Any]], args: Any,
+                   *rest: Any) -> None:
         _wait_at_gate([[i["kind"], i["what"]] for i in plan])
-        await apply_run(target, run_id, plan, args)
+        await apply_run(target, run_id, plan, args, *rest)
 
     gc.apply_run = held
     return mithril(["gc", runs, "--json"])
