@@ -107,6 +107,14 @@ class PipelineConfig(_Strict):
     #: encoded and written before its buffer is reused), as keyframes (save/snapshot.py).
     #: At least :func:`min_host_memory` (six chunks + 4 MiB: 28 MiB with chunk_mib = 4).
     host_memory_mib: int | None = Field(None, ge=1)
+    #: where a save's background part runs: "worker", a checkpoint process of its own per
+    #: training process (mithril_async/worker/: encoding, writes, commit and retention leave
+    #: the training process, which keeps only the snapshot, staged in shared memory), or
+    #: "inline", threads of the training process. Saves of a configuration a worker cannot
+    #: serve (the lossy tier, tiers, a store/coordinator/retention object passed to the
+    #: manager, a save streamed under host_memory_mib) run inline; the manager logs why and
+    #: says so in ``manager.process``
+    process: Literal["worker", "inline"] = "inline"
 
 
 def min_host_memory(chunk_mib: float) -> int:

@@ -91,6 +91,11 @@ class DistributedError(MithrilError, RuntimeError):
     """A multi-rank save or restore failed on some rank; the message names the rank."""
 
 
+class WorkerExited(MithrilError, RuntimeError):
+    """The checkpoint worker process died while it ran a save; the message says how it ended
+    (exit status or signal). That save failed; the next one starts a new worker."""
+
+
 __all__ = [
     "ChecksumMismatch",
     "CompressionError",
@@ -111,6 +116,7 @@ __all__ = [
     "UnsafeKey",
     "UnsupportedDtype",
     "VersionNotFound",
+    "WorkerExited",
 ]
 
 
@@ -176,3 +182,19 @@ class RestoreIncomplete(MithrilError, RuntimeError):
 
 
 __all__ += ["RestoreIncomplete"]
+
+
+class NonFiniteState(MithrilError, ValueError):
+    """A save found NaN or Inf in floating tensors that ``nonfinite_allow`` does not allow,
+    under ``[checkpointing] nonfinite = "fail"``: nothing was committed. The message names
+    each item, tensor and its counts; ``tensors`` maps ``"<item>/<tensor>"`` to ``(NaNs,
+    Infs)`` (empty when the error was rebuilt from its message alone, as a worker's is)."""
+
+    tensors: dict[str, tuple[int, int]] = {}  # noqa: RUF012 - replaced per instance
+
+    def __init__(self, message: str, tensors: dict[str, tuple[int, int]] | None = None) -> None:
+        super().__init__(message)
+        self.tensors = dict(tensors or {})
+
+
+__all__ += ["NonFiniteState"]

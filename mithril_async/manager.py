@@ -70,6 +70,8 @@ from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.mirror import MirrorStore
+from mithril_async.worker.client import WorkerClient, worker_unsupported
+from mithril_async.worker.shm import SharedArena
 
 log = logging.getLogger("mithril_async")
 _UNSET: Any = object()  # retention= not given: the config decides
@@ -131,6 +133,11 @@ class CheckpointManager:
                 raise TypeError(f"state[{name!r}] has neither state_dict()/load_state_dict() "
                                 "nor get_state()/set_state()")
         self.state = dict(state)
+        #: objects passed in that a checkpoint worker process cannot rebuild
+        given = [what for what, obj in (("a store", store), ("a coordinator", coordinator),
+                                        ("a retention policy", retention))
+                 if obj is not None and obj is not _UNSET]
+        keep_all = retention is None  # a worker keeps every version too
         if coordinator is None:  # torch.distributed with >1 rank: coordinate over gloo
             world = dist_world()
             coordinator = (DistCoordinator() if world is not None and world[1] > 1
@@ -172,6 +179,10 @@ class CheckpointManager:
             sharded_model=sharded_model,
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None,
             on_save=self._results.inline)
+        #: process = "worker": the checkpoint process the background part runs in
+        self._worker: WorkerClient | None = None
+        self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
+                                               keep_all)
         self._reader = VersionReader(self.catalog, pool=self._pool,
                                      inflight_mib=cfg.pipeline.max_inflight_mib)
         self._loop: BackgroundLoop | None = None
@@ -187,6 +198,30 @@ class CheckpointManager:
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
         self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
+
+    def _setup_worker(self, runs_prefix: str, sharded_model: bool, given: list[str],
+                      keep_all: bool) -> str:
+        """Where saves run (``[checkpointing.pipeline] process``): "worker" needs a
+        configuration the worker can rebuild on its own; otherwise saves run inline and the
+        log says why."""
+        if self.cfg.pipeline.process != "worker":
+            return "inline"
+        why = worker_unsupported(self.config) or (
+            f"{' and '.join(given)} was passed to the manager" if given else None)
+        if why is not None:
+            log.info('process = "worker": saves run in the training process (%s)', why)
+            return "inline"
+        arena = SharedArena()
+        self._ctx.alloc = arena.buffer
+        self._worker = WorkerClient(self._ctx, arena, lambda: self.loop, run_id=self.run_id,
+                                    runs_prefix=runs_prefix, sharded_model=sharded_model,
+                                    keep_all=keep_all)
+        return "worker"
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The checkpoint worker's process id (``process = "worker"``, once started)."""
+        return None if self._worker is None else self._worker.pid
 
     @classmethod
     def from_toml(cls, path: str | Path, state: Mapping[str, Any], **kw: Any) -> CheckpointManager:
@@ -323,9 +358,15 @@ class CheckpointManager:
         if self._closed:
             return
         unseen: BaseException | None = None
+        exported: BaseException | None = None
         try:
             if wait and self._inflight is not None:
                 concurrent.futures.wait([self._inflight])
+            if report and self.cfg.export_hf_on_close:  # the export's error is raised below
+                from mithril_async.export.hf import export_on_close
+
+                exported = export_on_close(self.cfg, self.catalog, self._bg, self.rank, any(
+                    r.status == "committed" for r in self.history), self._pool)
         finally:
             handle, fut = self._handle, self._inflight
             if fut is None or fut.done():  # an abandoned save (wait=False) is no failure
@@ -335,6 +376,9 @@ class CheckpointManager:
             self._closed = True
             if self._guard is not None:
                 self._guard.remove()
+            if self._worker is not None:  # after the last save: the worker exits
+                self._worker.close(wait=wait)
+                self._worker.arena.close()
             if self._loop is not None:
                 self._loop.run(self.store.close())
                 self._loop.close()
@@ -350,6 +394,8 @@ class CheckpointManager:
                 raise SaveFailed(f"a background save failed: {unseen}") from unseen
             log.error("a background save failed (not raised: another exception is "
                       "propagating): %r", unseen)
+        if exported is not None:
+            raise exported
 
     # ------------------------------------------------------------ queries
     def should_save(self, step: int) -> bool:
@@ -476,7 +522,14 @@ class CheckpointManager:
         res = job.begin(metrics, waited)
         if self.preemption is not None:
             self.preemption.submitted(job.step)
-        self._handle = SaveHandle(res, self.loop.submit(self._results.follow(job.run(), res)))
+        if self._worker is not None and job.snap.stream is None:
+            self._worker.start()  # the first save (or the first after a worker died)
+            run = self._worker.run(job, dict(metrics or {}))
+        else:  # inline (a streamed save in worker mode too: its chains restart)
+            if self._worker is not None:
+                self._worker.reset_chains()
+            run = job.run()
+        self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))
         return self._handle
 
     async def wait_until_finished(self) -> None:
@@ -625,6 +678,8 @@ class CheckpointManager:
             restore_rng(rng_doc["rng"])
         for chain in self._ctx.chains.values():
             chain.reset()  # the live state no longer matches the staged base
+        if self._worker is not None:
+            self._worker.reset_chains()
         if self._ctx.lossy is not None:
             self._ctx.lossy.reset()  # nor the lossy chain's reconstruction
         if self._ctx.steps is not None:

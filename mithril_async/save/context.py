@@ -15,6 +15,7 @@ from typing import Any
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config
+from mithril_async.device import host_buffer
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import BlobRef, version_id
 from mithril_async.memory.budget import HostBudget
@@ -25,6 +26,7 @@ from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import Policy
 from mithril_async.save.delta_chain import ChainPolicy, ItemChain
+from mithril_async.save.staging import Allocator, StagingArea
 from mithril_async.save.writers import BlobEncoder
 from mithril_async.storage.base import Store
 from mithril_async.storage.capabilities import local_root
@@ -64,6 +66,8 @@ class SaveContext:
     lossy_idle_warned: bool = False
     #: the slot ring of streamed saves (host_memory_mib), reused while its size fits
     ring: SlotRing | None = None
+    #: where staging buffers are allocated (shared memory when a worker process encodes)
+    alloc: Allocator = host_buffer
 
     def __post_init__(self) -> None:
         remote = self.config.checkpointing.remote
@@ -97,7 +101,9 @@ class SaveContext:
     def chain(self, name: str) -> ItemChain:
         chain = self.chains.get(name)
         if chain is None:  # once per item: its staging buffers live in the chain
-            chain = self.chains[name] = ItemChain(self.chain_policy)
+            sets = 2 if self.chain_policy.double_buffer else 1
+            chain = self.chains[name] = ItemChain(
+                self.chain_policy, [StagingArea(alloc=self.alloc) for _ in range(sets)])
         return chain
 
     async def discard(self, number: int) -> None:

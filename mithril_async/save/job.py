@@ -100,6 +100,12 @@ class SaveJob:
             self.snap.overlap.result = res
         return res
 
+    def adopt_result(self, res: SaveResult, metrics: Mapping[str, Any]) -> None:
+        """Run with the result another process made at its snapshot (a worker's trainer:
+        its stall and waits are measured there)."""
+        self.result = res
+        self._metrics = dict(metrics)
+
     def _stall_ends(self) -> None:
         """A streamed snapshot's caller may go on: its stall ends here."""
         if self.result is not None:

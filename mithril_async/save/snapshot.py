@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,10 +43,22 @@ from mithril_async.save.staging import PLAIN_TYPES, Snapshot
 from mithril_async.save.stream import StreamSnapshot
 from mithril_async.state import Stateful, capture_rng, flatten_state
 
-__all__ = ["StateSnapshot"]
+__all__ = ["HandedOff", "StateSnapshot"]
 
 #: per item: its skeleton and its tensors by name
 Flat = dict[str, tuple[Any, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class HandedOff:
+    """A staged snapshot taken by another process (a checkpoint worker's trainer): per item
+    its ``skeleton``, the buffer set ``area`` it was staged into and its ``tensors`` (views
+    of the trainer's staging memory); the JSON states, RNG document and shard pieces."""
+
+    items: dict[str, dict[str, Any]]
+    json_states: dict[str, Any] = field(default_factory=dict)
+    rng: dict[str, Any] = field(default_factory=dict)
+    pieces: dict[str, dict[str, PieceMeta]] = field(default_factory=dict)
 
 
 class StateSnapshot:
@@ -99,6 +112,27 @@ class StateSnapshot:
         if guard is not None and self.stream is None:
             self.overlap = self._start_overlap(guard)
         return list(self.staged.values())
+
+    def adopt(self, handed: HandedOff, overlap: Any = None) -> None:
+        """Take a snapshot another process staged (nothing is copied): each item's tensors
+        become the buffers of its chain's buffer set, so the next save's delta base is
+        there. ``overlap``: what says when the trainer's overlapped copy into them is
+        complete (its ``finished()`` raises :class:`SnapshotTorn` when it was torn)."""
+        ctx = self.ctx
+        for name, item in handed.items.items():
+            chain = ctx.chain(name)
+            area, tensors = int(item["area"]), item["tensors"]
+            chain.areas[area].adopt(tensors)
+            self.areas[name] = area
+            self.skeletons[name] = item["skeleton"]
+            self.staged[name] = Snapshot(tensors, nbytes=sum(
+                t.numel() * t.element_size() for t in tensors.values()))
+        self.json_states, self.rng = handed.json_states, handed.rng
+        self.pieces = handed.pieces
+        self.overlap = overlap
+        ctx.memory.set_fixed("staging", sum(a.nbytes for c in ctx.chains.values()
+                                            for a in c.areas))
+        ctx.memory.set_fixed("codec", ctx.encoder.budget.codec_scratch())
 
     def items(self) -> list[StagedItem]:
         """What the encoder gets: the staged copies, or the live tensors to copy out."""

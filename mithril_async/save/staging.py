@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +33,8 @@ from mithril_async.codec import kernels as K
 from mithril_async.device import CudaCopier, await_event, host_buffer, pinning
 from mithril_async.errors import SnapshotTorn
 
-__all__ = ["PLAIN_TYPES", "STREAM_COPY_MIN_BYTES", "Job", "Snapshot", "StagingArea",
-           "copy_jobs", "default_copy_threads", "split_jobs", "torn", "torn_error"]
+__all__ = ["PLAIN_TYPES", "STREAM_COPY_MIN_BYTES", "Allocator", "Job", "Snapshot",
+           "StagingArea", "copy_jobs", "default_copy_threads", "split_jobs", "torn", "torn_error"]
 
 #: CPU tensors at least this big are staged with non-temporal stores (smaller: memcpy): the
 #: staging buffers of a whole state rarely fit the cache, so streaming stores pay early
@@ -168,12 +169,20 @@ class _Plan:
     devices: set[str] = field(default_factory=set)
 
 
-class StagingArea:
-    """Reusable host buffers keyed by tensor name (one area per blob kind)."""
+#: ``alloc(shape, dtype, pinned)``: an uninitialised host tensor for a staging buffer
+#: (:func:`~mithril_async.device.host_buffer`, or shared memory for a checkpoint worker)
+Allocator = Callable[[torch.Size, torch.dtype, bool], torch.Tensor]
 
-    def __init__(self, pin_memory: bool | None = None, copy_threads: int | None = None) -> None:
+
+class StagingArea:
+    """Reusable host buffers keyed by tensor name (one area per blob kind), allocated by
+    ``alloc``."""
+
+    def __init__(self, pin_memory: bool | None = None, copy_threads: int | None = None,
+                 alloc: Allocator = host_buffer) -> None:
         self._pin = pinning() if pin_memory is None else pin_memory
         self.copy_threads = default_copy_threads() if copy_threads is None else copy_threads
+        self._alloc = alloc
         self._buffers: dict[str, torch.Tensor] = {}
         self._copier: CudaCopier | None = None
 
@@ -193,9 +202,13 @@ class StagingArea:
         buf = self._buffers.get(name)
         if buf is not None and buf.dtype == src.dtype and buf.shape == src.shape:
             return buf, True
-        buf = host_buffer(src.shape, src.dtype, self._pin and src.device.type == "cuda")
+        buf = self._alloc(src.shape, src.dtype, self._pin and src.device.type == "cuda")
         self._buffers[name] = buf
         return buf, False
+
+    def adopt(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Hold ``buffers`` as this area's (another process's snapshot, mapped here)."""
+        self._buffers = dict(buffers)
 
     def snapshot(self, tensors: dict[str, torch.Tensor],
                  defer: frozenset[int] | set[int] = frozenset()) -> Snapshot:

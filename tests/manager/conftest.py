@@ -111,3 +111,14 @@ def state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
         elif x != y:
             return False
     return True
+
+
+@pytest.fixture
+def make_worker_config(make_config: Callable[..., Config]) -> Callable[..., Config]:
+    """``make_config`` with the background part of saves in a checkpoint worker process."""
+    def factory(extra: str = "", **kw: Any) -> Config:
+        cfg = make_config(extra, **kw)
+        cfg.checkpointing.pipeline.process = "worker"
+        return cfg
+
+    return factory

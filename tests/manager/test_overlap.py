@@ -25,6 +25,14 @@ from .conftest import Batcher, FakeEvent, TinyNet, make_state, state_equal, trai
 OVERLAPPED = '[checkpointing.pipeline]\nsnapshot = "overlapped"\n'
 
 
+@pytest.fixture(params=["inline", "worker"])
+def make_config(request: pytest.FixtureRequest, make_config: Callable[..., Config],
+                make_worker_config: Callable[..., Config]) -> Callable[..., Config]:
+    """Every test of this module runs with the save's background part inline and in a
+    checkpoint worker process (a test passing its own store runs inline either way)."""
+    return make_worker_config if request.param == "worker" else make_config
+
+
 class CountingNet(TinyNet):
     """TinyNet plus a buffer that every forward changes in place (like batch-norm stats)."""
 
@@ -244,11 +252,15 @@ def test_background_threads_run_at_lower_priority(make_config: Callable[..., Con
         m.wait()
         want = min(19, base + nice)
         assert _nice_of(m.loop.thread) == want
-        workers = [t for t in threading.enumerate()
-                   if t.name.startswith(("mithril-codec", "asyncio_", "uvloop_"))]
-        assert {t.name.split("_")[0] for t in workers} >= {"mithril-codec", m.loop.kind}
-        assert all(_nice_of(t) == want for t in workers), [(t.name, _nice_of(t))
-                                                            for t in workers]
+        if m.process == "worker":  # the codec and writer threads are the worker's
+            assert m.worker_pid is not None
+            assert os.getpriority(os.PRIO_PROCESS, m.worker_pid) == want
+        else:
+            workers = [t for t in threading.enumerate()
+                       if t.name.startswith(("mithril-codec", "asyncio_", "uvloop_"))]
+            assert {t.name.split("_")[0] for t in workers} >= {"mithril-codec", m.loop.kind}
+            assert all(_nice_of(t) == want for t in workers), [(t.name, _nice_of(t))
+                                                                for t in workers]
         copier = [t for t in threading.enumerate() if t.name.startswith("mithril-overlap")]
         assert copier and all(_nice_of(t) == base for t in copier)
         assert _nice_of(me) == base

@@ -1,0 +1,308 @@
+"""The training process's side of a checkpoint worker: start it, hand it each snapshot, get
+each save's result back, and answer its requests for the rank protocol's collectives.
+
+The worker is ``python -m mithril_async.worker`` started with ``subprocess`` (never a fork,
+never a re-import of the training script, so a script without an ``if __name__ ==
+"__main__"`` guard works), holding one end of a socket pair. It starts with the first save
+(a manager that only restores never starts one); its start-up runs in the background while
+training goes on, and that first save's background part waits for it. A save's hand-off is the
+snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small JSON; the
+worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`.
+
+If the worker dies, the save in flight fails with :class:`~mithril_async.errors.WorkerExited`
+naming how it ended (raised, as any failed save, by the next ``save()`` / ``wait()`` /
+``close()``), training goes on, and the next save starts a new worker (segments are sent to
+it again). ``close()`` asks the worker to exit and waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mithril_async.config import Config
+from mithril_async.errors import WorkerExited
+from mithril_async.pipeline.coordinator import Outcome, RankPart
+from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.context import SaveContext
+from mithril_async.save.job import SaveJob
+from mithril_async.worker.channel import Channel, ChannelClosed
+from mithril_async.worker.handoff import (
+    config_doc,
+    error_doc,
+    error_of,
+    pieces_doc,
+    tensor_doc,
+    update_result,
+)
+from mithril_async.worker.shm import SharedArena
+
+__all__ = ["WorkerClient", "worker_unsupported"]
+
+log = logging.getLogger("mithril_async")
+_channel_ids = itertools.count(1)
+#: seconds ``close()`` waits for a worker to exit after asking it to
+EXIT_WAIT_S = 60.0
+
+
+class WorkerClient:
+    """One trainer's checkpoint worker (see the module docstring)."""
+
+    def __init__(self, ctx: SaveContext, arena: SharedArena, loop: Callable[[], BackgroundLoop],
+                 *, run_id: str, runs_prefix: str, sharded_model: bool,
+                 keep_all: bool = False) -> None:
+        self.ctx = ctx
+        self.arena = arena
+        self._loop = loop
+        self._init = {"config": config_doc(ctx.config), "run_id": run_id,
+                      "runs_prefix": runs_prefix, "rank": ctx.rank,
+                      "world_size": ctx.world_size, "sharded_model": sharded_model,
+                      "keep_all": keep_all}
+        self.proc: subprocess.Popen[bytes] | None = None
+        #: the rank protocol's steps run for the save in flight, by name (multi-rank: a
+        #: worker that dies mid-save leaves the trainer to finish them, see _finish_protocol)
+        self._steps: dict[str, concurrent.futures.Future[Any]] = {}
+        self.channel: Channel | None = None
+        self._channel_id = 0
+        self._ready: concurrent.futures.Future[Any] | None = None
+        #: the chains were reset since the worker last heard (a restore)
+        self._reset_pending = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return (self.proc is not None and self.proc.poll() is None
+                and self.channel is not None and not self.channel.closed)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start a worker (if none runs); its set-up runs while the caller goes on."""
+        if self.alive:
+            return
+        self._stop(kill=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mithril_async.worker", "--fd", str(theirs.fileno()),
+                 "--nice", str(self.ctx.config.checkpointing.pipeline.background_nice)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
+                start_new_session=False)
+        finally:
+            theirs.close()
+        self._channel_id = next(_channel_ids)
+        self.channel = Channel(ours, self._handle, name="trainer").start()
+        self._ready = self.channel.call(
+            "init", {**self._init, "steps": sorted(self.ctx.steps or ())})
+        self._reset_pending = False
+
+    def reset_chains(self) -> None:
+        """The live state no longer matches the staged bases (a restore): the worker's next
+        save is a keyframe."""
+        self._reset_pending = True
+
+    def close(self, wait: bool = True) -> None:
+        """Ask the worker to exit and wait for it (killed if it does not). ``wait=False``:
+        only close the channel; a worker still running a save finishes it, then exits."""
+        if wait:
+            self._stop(kill=False)
+            return
+        channel, self.channel, self.proc = self.channel, None, None
+        if channel is not None:
+            channel.close()
+
+    def _stop(self, *, kill: bool) -> None:
+        proc, channel = self.proc, self.channel
+        self.proc = self.channel = None
+        if channel is not None and not channel.closed and not kill:
+            try:
+                channel.call("close").result(EXIT_WAIT_S)
+            except Exception:  # a worker that cannot answer is ended below
+                kill = True
+        if channel is not None:
+            channel.close()
+        if proc is not None:
+            try:
+                proc.wait(0.1 if kill else EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ------------------------------------------------------------------ saves
+    async def run(self, job: SaveJob, metrics: dict[str, Any]) -> SaveResult:
+        """Hand ``job``'s snapshot to the worker and return its result (raising the save's
+        error as the worker reported it, or :class:`WorkerExited`)."""
+        res = job.result
+        assert res is not None, "begin() first"
+        try:
+            return await self._run(job, res, metrics)
+        finally:
+            job.snap.close()
+
+    async def _run(self, job: SaveJob, res: SaveResult, metrics: dict[str, Any]
+                   ) -> SaveResult:
+        self.start()
+        assert self.channel is not None and self._ready is not None
+        channel = self.channel
+        try:
+            await asyncio.wrap_future(self._ready)
+            if self._reset_pending:
+                await asyncio.wrap_future(channel.call("reset_chains"))
+                self._reset_pending = False
+            self._steps = {}
+            segments = self.arena.unsent(self._channel_id)
+            msg = self._describe(job, res, metrics)
+            msg["segments"] = [[i, n] for i, _, n in segments]
+            reply = channel.call("save", msg, [fd for _, fd, _ in segments])
+            if job.snap.overlap is not None:
+                await self._report_overlap(job, channel)
+            answer = await asyncio.wrap_future(reply)
+        except ChannelClosed as err:
+            died = self._died(res, job.t0)
+            await self._finish_protocol(died)
+            raise died from err
+        update_result(res, answer["result"])
+        if answer.get("error") is None:
+            for name, base in answer.get("chains", {}).items():
+                chain = self.ctx.chains.get(name)
+                if chain is not None:
+                    chain.base_idx = base
+            if self.ctx.steps is not None:
+                self.ctx.steps.add(res.step)
+        self.ctx.history.append(res)
+        if answer.get("error") is not None:
+            raise error_of(answer["error"])
+        if self.ctx.on_save is not None:
+            self.ctx.on_save(res)
+        return res
+
+    async def _report_overlap(self, job: SaveJob, channel: Channel) -> None:
+        """Tell the worker when the overlapped copy into the staged buffers is complete (or
+        torn: its error fails the save on every rank, as inline)."""
+        assert job.snap.overlap is not None
+        error: dict[str, Any] | None = None
+        try:
+            await job.snap.overlap.finished()
+        except Exception as err:
+            error = error_doc(err)
+        await asyncio.wrap_future(channel.call("overlap_done", {"error": error}))
+
+    def _describe(self, job: SaveJob, res: SaveResult, metrics: dict[str, Any]
+                  ) -> dict[str, Any]:
+        snap = job.snap
+        items: dict[str, Any] = {}
+        for name, staged in snap.staged.items():
+            tensors = []
+            for tname, t in staged.tensors.items():
+                at = self.arena.locate(t)
+                if at is None and t.numel():
+                    raise RuntimeError(f"{name}/{tname}: staged outside the shared memory")
+                tensors.append(tensor_doc(tname, t, at))
+            items[name] = {"skeleton": snap.skeletons[name], "area": snap.areas[name],
+                           "tensors": tensors}
+        return {"step": job.step, "t0": job.t0, "stall_s": res.stall_s,
+                "waited_s": res.waited_s, "metrics": metrics, "items": items,
+                "json_states": snap.json_states, "rng": snap.rng,
+                "pieces": pieces_doc(snap.pieces), "overlap": snap.overlap is not None}
+
+    def _died(self, res: SaveResult, t0: float) -> WorkerExited:
+        proc = self.proc
+        code = None
+        if proc is not None:
+            try:
+                code = proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        how = ("is still running but closed its channel" if code is None
+               else f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with status {code}")
+        err = WorkerExited(f"the checkpoint worker (pid {self.pid}) {how} during the save of "
+                           f"step {res.step}; the next save starts a new worker")
+        res.status, res.error = "failed", str(err)
+        res.total_s = time.perf_counter() - t0
+        self.ctx.history.append(res)
+        self._stop(kill=True)
+        return err
+
+    async def _finish_protocol(self, died: WorkerExited) -> None:
+        """A worker died mid-save on a rank of several: take its place in the protocol's
+        remaining collectives (a failed claim, an error part, listening for the outcome),
+        so the other ranks learn of the failure at once instead of at their timeout."""
+        steps, self._steps = self._steps, {}
+        if self.ctx.world_size == 1:
+            return
+        coord = self.ctx.coordinator
+        for fut in steps.values():  # a collective already running on its behalf ends first
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(fut)
+        with contextlib.suppress(Exception):
+            if "agree" not in steps:
+                async def no_claim() -> int:
+                    raise died
+                await coord.agree_version(no_claim)
+            if "gather" not in steps:
+                await coord.gather_parts(RankPart(rank=self.ctx.rank, error=str(died)))
+            if "outcome" not in steps:
+                await coord.broadcast_outcome(
+                    Outcome(committed=False, error=str(died), failed_rank=self.ctx.rank)
+                    if self.ctx.rank == 0 else None)
+
+    # ------------------------------------------------------------------ its requests
+    def _handle(self, method: str, args: dict[str, Any], fds: list[int]
+                ) -> concurrent.futures.Future[Any]:
+        for fd in fds:
+            os.close(fd)
+        run = {"coord.agree_version": ("agree", self._agree),
+               "coord.gather_parts": ("gather", self._gather),
+               "coord.broadcast_outcome": ("outcome", self._outcome)}.get(method)
+        if run is None:
+            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            fut.set_exception(ValueError(f"unknown request {method!r}"))
+            return fut
+        step, body = run
+        fut = self._steps[step] = self._loop().submit(body(args))
+        return fut
+
+    async def _agree(self, args: dict[str, Any]) -> int:
+        channel = self.channel
+
+        async def claim() -> int:
+            assert channel is not None
+            return int(await asyncio.wrap_future(channel.call("claim")))
+
+        return await self.ctx.coordinator.agree_version(claim)
+
+    async def _gather(self, args: dict[str, Any]) -> Any:
+        got = await self.ctx.coordinator.gather_parts(RankPart.model_validate(args["part"]))
+        return None if got is None else [p.model_dump(mode="json") for p in got]
+
+    async def _outcome(self, args: dict[str, Any]) -> Any:
+        sent = args.get("outcome")
+        got = await self.ctx.coordinator.broadcast_outcome(
+            None if sent is None else Outcome.model_validate(sent))
+        return got.model_dump(mode="json")
+
+
+def worker_unsupported(config: Config) -> str | None:
+    """Why saves of this configuration cannot run in a worker (None: they can)."""
+    cfg = config.checkpointing
+    if cfg.lossy.enabled:
+        return "the lossy tier keeps its reconstruction in the training process"
+    if cfg.tiers is not None:
+        return "tiers replicate over the training process's groups"
+    return None

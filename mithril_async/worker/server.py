@@ -1,0 +1,285 @@
+"""The checkpoint worker: a process of its own that runs every save's background part.
+
+Started by a training process's manager (``python -m mithril_async.worker``, never a fork
+or a re-import of the training script), it builds from the run's configuration what the
+pipeline needs (store, catalog, codec pool, encoder, delta chains, retention) and then, for
+each save the trainer hands over, runs :class:`~mithril_async.save.job.SaveJob` on a snapshot
+that lies in the trainer's shared staging memory (mapped here, never copied): version
+agreement and claim, encoding, writes (disk, S3), the commit, aliases and retention. The
+multi-rank steps of the protocol (agree, gather, outcome) are asked of the trainer, whose
+coordinator runs them on the checkpoint group it already has.
+
+When the trainer goes away (killed, crashed, exited) the save in flight is finished (and
+committed, where it needs no other rank) and the worker exits; it never waits on a dead
+trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mithril_async.catalog import RunCatalog
+from mithril_async.config import Config
+from mithril_async.layout import RunLayout
+from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
+from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.pipeline.pool import CodecPool
+from mithril_async.pipeline.results import SaveResult
+from mithril_async.retention import from_config
+from mithril_async.save.context import SaveContext
+from mithril_async.save.delta_chain import ChainPolicy
+from mithril_async.save.job import SaveJob
+from mithril_async.save.snapshot import HandedOff
+from mithril_async.save.writers import BlobEncoder
+from mithril_async.worker.channel import Channel, RemoteError
+from mithril_async.worker.handoff import (
+    config_of,
+    error_doc,
+    error_of,
+    pieces_of,
+    result_doc,
+    tensor_of,
+)
+from mithril_async.worker.shm import SegmentMap
+
+__all__ = ["WorkerServer", "serve"]
+
+log = logging.getLogger("mithril_async")
+
+
+class ProxyCoordinator:
+    """The rank protocol's collectives, run by the trainer's coordinator on request; rank
+    0's claim runs here when the trainer's coordinator asks for it."""
+
+    def __init__(self, channel: Channel, rank: int, world_size: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.world_size = world_size
+        self.claim: Callable[[], Awaitable[int]] | None = None
+
+    async def _ask(self, method: str, args: dict[str, Any]) -> Any:
+        try:
+            return await asyncio.wrap_future(self.channel.call(method, args))
+        except RemoteError as err:  # the coordinator's own error, as inline
+            raise error_of({"kind": err.kind, "message": err.message}) from None
+
+    async def agree_version(self, claim: Callable[[], Awaitable[int]]) -> int:
+        self.claim = claim
+        try:
+            return int(await self._ask("coord.agree_version", {}))
+        finally:
+            self.claim = None
+
+    async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
+        got = await self._ask("coord.gather_parts", {"part": part.model_dump(mode="json")})
+        return None if got is None else [RankPart.model_validate(p) for p in got]
+
+    async def broadcast_outcome(self, outcome: Outcome | None) -> Outcome:
+        sent = None if outcome is None else outcome.model_dump(mode="json")
+        return Outcome.model_validate(await self._ask("coord.broadcast_outcome",
+                                                      {"outcome": sent}))
+
+    def close(self) -> None:
+        return None
+
+
+class WorkerServer:
+    """Serves one trainer over ``sock`` until it closes the channel (see module doc)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.segments = SegmentMap()
+        self.loop: BackgroundLoop | None = None
+        self.ctx: SaveContext | None = None
+        self.proxy: ProxyCoordinator | None = None
+        self.busy = 0
+        self.gone = threading.Event()
+        #: the save in flight's stand-in for the trainer's overlapped copy, and a verdict on
+        #: it that arrived before the save did
+        self._overlap: _OverlapGate | None = None
+        self._early: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self.channel = Channel(sock, self._handle, on_close=self._trainer_gone, name="worker")
+        self.channel.start()
+
+    # ------------------------------------------------------------------ requests
+    def _handle(self, method: str, args: dict[str, Any], fds: list[int]
+                ) -> concurrent.futures.Future[Any] | Any:
+        if method == "init":
+            return self._init(args)
+        if method == "save":
+            self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
+            return self._submit(self._save(args))
+        if method == "overlap_done":
+            return self._submit(self._overlap_done(args))
+        if method == "claim":
+            assert self.proxy is not None and self.proxy.claim is not None
+            return self._submit(self.proxy.claim())
+        if method == "reset_chains":
+            return self._submit(self._reset())
+        if method == "close":
+            self.gone.set()
+            return True
+        raise ValueError(f"unknown request {method!r}")
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        assert self.loop is not None, "init first"
+        return self.loop.submit(coro)
+
+    def _init(self, args: dict[str, Any]) -> dict[str, Any]:
+        config: Config = config_of(args["config"])
+        cfg = config.checkpointing
+        rank, world = int(args["rank"]), int(args["world_size"])
+        from mithril_async.manager import open_run_store
+
+        store, prefix = open_run_store(cfg)
+        layout = RunLayout(args.get("runs_prefix") or prefix, str(args["run_id"]))
+        catalog = RunCatalog(store, layout, claim_stale_s=cfg.pipeline.claim_stale_s)
+        threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
+        pool = CodecPool(threads, "mithril-codec")
+        comp = cfg.compression
+        coordinator: Coordinator
+        if world > 1:
+            coordinator = self.proxy = ProxyCoordinator(self.channel, rank, world)
+        else:
+            coordinator = LocalCoordinator()
+        self.ctx = SaveContext(
+            config=config, state={}, store=store, layout=layout, catalog=catalog,
+            coordinator=coordinator, pool=pool,
+            encoder=BlobEncoder(comp, cfg.pipeline, pool),
+            chain_policy=ChainPolicy(
+                delta=comp.delta and comp.enabled,
+                dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
+                keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
+                min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping),
+            retention=None if args.get("keep_all") else from_config(cfg),
+            sharded_model=bool(args.get("sharded_model")))
+        self.ctx.steps = set(args.get("steps") or [])
+        self.loop = BackgroundLoop()
+        return {"pid": os.getpid()}
+
+    async def _save(self, args: dict[str, Any]) -> dict[str, Any]:
+        ctx = self.ctx
+        assert ctx is not None
+        self.busy += 1
+        try:
+            job = SaveJob(ctx, int(args["step"]), float(args["t0"]))
+            items: dict[str, dict[str, Any]] = {}
+            for name, item in args["items"].items():
+                tensors = {}
+                for doc in item["tensors"]:
+                    tname, dtype, shape, at = tensor_of(doc)
+                    tensors[tname] = (self.segments.view(at, dtype, shape) if at is not None
+                                      else _empty(dtype, shape))
+                items[name] = {"skeleton": item["skeleton"], "area": int(item["area"]),
+                               "tensors": tensors}
+            overlap = _OverlapGate() if args.get("overlap") else None
+            self._overlap = overlap
+            if overlap is not None and self._early is not None:
+                await self._overlap_done(self._early)
+            self._early = None
+            job.snap.adopt(HandedOff(items=items, json_states=args.get("json_states") or {},
+                                     rng=args.get("rng") or {},
+                                     pieces=pieces_of(args.get("pieces") or {})),
+                           overlap)
+            res = SaveResult(job.step, stall_s=float(args.get("stall_s", 0.0)),
+                             waited_s=float(args.get("waited_s", 0.0)))
+            job.adopt_result(res, args.get("metrics") or {})
+            try:
+                await job.run()
+            except BaseException as err:
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                return {"result": result_doc(res), "error": error_doc(err),
+                        "chains": self._chains()}
+            return {"result": result_doc(res), "chains": self._chains()}
+        finally:
+            self.busy -= 1
+            self._overlap = None
+            if self.gone.is_set():
+                self._exit_soon()
+
+    async def _overlap_done(self, args: dict[str, Any]) -> bool:
+        gate = self._overlap
+        if gate is None:
+            self._early = args
+        else:
+            gate.open(error_of(args["error"]) if args.get("error") else None)
+        return True
+
+    def _chains(self) -> dict[str, int | None]:
+        """Each item's base buffer set after the save (the trainer stages into the other)."""
+        assert self.ctx is not None
+        return {name: c.base_idx for name, c in self.ctx.chains.items()}
+
+    async def _reset(self) -> bool:
+        assert self.ctx is not None
+        for chain in self.ctx.chains.values():
+            chain.reset()
+        return True
+
+    # ------------------------------------------------------------------ ending
+    def _trainer_gone(self) -> None:
+        """The trainer closed the channel or died: finish what runs, then exit."""
+        self.gone.set()
+        if self.busy == 0:
+            self._exit_soon()
+
+    def _exit_soon(self) -> None:
+        threading.Thread(target=self._exit, name="mithril-worker-exit", daemon=True).start()
+
+    def _exit(self) -> None:
+        ctx, loop = self.ctx, self.loop
+        if loop is not None and ctx is not None:
+            try:
+                loop.run(ctx.store.close())
+            except Exception:  # the process ends anyway
+                log.exception("closing the store")
+            loop.close()
+        if ctx is not None:
+            ctx.pool.shutdown(wait=True)
+        os._exit(0)
+
+
+class _OverlapGate:
+    """Stands in for the trainer's overlapped copy: finished when the trainer says so."""
+
+    def __init__(self) -> None:
+        self._done = asyncio.Event()
+        self._error: BaseException | None = None
+        self.result: SaveResult | None = None
+
+    def open(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    async def finished(self) -> None:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+def _empty(dtype: Any, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=dtype)
+
+
+def serve(fd: int, nice: int = 0) -> None:
+    """Run a worker on the inherited socket ``fd`` until its trainer goes away; ``nice``:
+    added to its nice value first, so every thread it starts yields the cores to training
+    (``background_nice``)."""
+    if nice:
+        os.nice(nice)
+    logging.basicConfig(level=os.environ.get("MITHRIL_WORKER_LOG", "WARNING"),
+                        format="mithril-worker %(process)d %(levelname)s %(message)s")
+    WorkerServer(socket.socket(fileno=fd))
+    while True:  # the server exits the process once its trainer is gone (os._exit)
+        time.sleep(3600)
