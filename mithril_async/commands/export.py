@@ -16,7 +16,14 @@ import argparse
 import sys
 from typing import Any
 
-from mithril_async.commands._common import human, locate, print_json, resolve_version, run_async
+from mithril_async.commands._common import (
+    human,
+    locate,
+    print_json,
+    progress_bar,
+    resolve_version,
+    run_async,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -35,6 +42,8 @@ def add_parser(sub: Any) -> None:
                    help="cast floating-point tensors to this dtype (e.g. bfloat16)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print nothing on success (and no progress bar)")
     p.set_defaults(func=run)
 
 
@@ -52,12 +61,14 @@ def run(args: argparse.Namespace) -> int:
         key = await resolve_version(target, run_id, args.version)
         return await export_hf_async(target.catalog(run_id), args.hf, version=key,
                                      item=args.item, max_shard_size=args.max_shard_size,
-                                     dtype=args.dtype, force=args.force)
+                                     dtype=args.dtype, force=args.force,
+                                     on_progress=bar.update_to if bar.enabled else None)
 
-    res = run_async(export())
+    with progress_bar(args, "export") as bar:  # tensor bytes written, file by file
+        res = run_async(export())
     if args.json:
         print_json(res.to_json())
-    else:
+    elif not args.quiet:
         copied = f", with {', '.join(res.copied)}" if res.copied else \
             " (no config.json recorded: weights only)"
         print(f"exported {res.version_id} (step {res.step}) of {res.run_id} -> {res.out_dir}: "

@@ -103,6 +103,8 @@ def _cases() -> dict[str, Case]:
         "decompress": Case(["decompress", "{W}/model.mckp", "-o", "{W}/back.safetensors",
                             "--force"], ["decompress"]),
         "gc": Case(["gc", "{W}/runs", "--keep-last", "1"], ["gc run1"]),
+        "export": Case(["export", "{W}/runs/run1", "--hf", "{W}/hf", "--max-shard-size",
+                        "40KB", "--force"], ["export"]),
     }
 
 
