@@ -22,9 +22,10 @@ The rules, per process:
   handler installed over ours later is left, and ours then passes every signal on at once).
 - **Grace.** If no save is asked for (a ``save()`` call) within ``signal_grace_s``, the signal
   takes effect anyway: a loop that never calls ``should_save`` is not kept alive. Once a save
-  is asked for, it is waited for; a save skipped because the pipeline was busy
-  (``on_busy = "skip"``) asks again at the next ``should_save``; one that failed is logged
-  at ERROR and the signal takes effect all the same.
+  is asked for, it is waited for; one that did not start (skipped because the pipeline was
+  busy, ``on_busy = "skip"``, or a ``save()`` that raised) is asked for again at the next
+  ``should_save``, the grace starting anew; one that failed is logged at ERROR and the
+  signal takes effect all the same.
 - **A second signal** of this process while its save is pending takes effect at once (the
   first asks for a save, the second insists), as does any signal after ``close()``.
 - **From any thread.** A default disposition is applied without the main thread (the C
@@ -33,18 +34,22 @@ The rules, per process:
   handler written in Python runs on the main thread, as Python runs every handler.
 
 **Several ranks.** SLURM signals the ranks of a job at slightly different moments, and each
-rank must save the same step or the version is not one state. Every ``should_save`` call is
-a point all ranks pass in the same order, so the ranks agree there: each call posts this
-rank's fresh signal (0 when none) to an all-reduce (max) on a gloo group of its own and
-reads the previous call's result; a non-zero result makes *every* rank answer True at the
-same call. No call blocks on the network in practice: the all-reduce posted at one step has
-completed long before the next step's call (ranks in data-parallel lockstep). The group is
-separate from the manager's coordinator group because saves run their collectives on that
-one from background threads, and gloo pairs collectives by their order on a group. A rank
-that got no signal itself saves all the same and, with ``exit_after_signal_save``, ends by
-the agreed signal once its save is durable (the job is ending: a rank left alone would hang
-in its next collective). A signal that arrives while a save for a signal is in flight is
-covered by that save.
+rank must save the same step or the version is not one state. ``should_save`` calls are
+points every rank passes in the same order, so the ranks agree there, without a collective
+at every step: every few calls (as many as rank 0's pace puts in about a quarter of a second;
+every call when steps are slower) they *meet*: each posts its fresh signal (0 when none) to an
+all-reduce (max) on a gloo group of its own and reads the result of the previous meeting's; a
+non-zero result makes *every* rank answer True at that same call, within about two gaps of
+the signal. The other calls cost a counter decrement. A meeting does not wait on the
+network in practice: its all-reduce was posted a meeting earlier (ranks in data-parallel
+lockstep). The group is separate from the manager's coordinator group because saves run
+their collectives on that one from background threads, and gloo pairs collectives by their
+order on a group. So the contract: with several ranks, call ``should_save`` at every step on
+every rank (and give every rank the same ``save_on_signals``). A rank that got no signal
+itself saves all the same and, with ``exit_after_signal_save``, ends by the agreed signal
+once its save is durable (the job is ending: a rank left alone would hang in its next
+collective). A signal that arrives while a save for a signal is on its way is covered by
+that save.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class RankAgreement:
     """
 
     #: seconds between two meetings the ranks aim for
-    MEET_S = 0.05
+    MEET_S = 0.25
     #: the most calls between two meetings (bounds the delay if steps suddenly slow down)
     MAX_EVERY = 1000
 
@@ -128,8 +133,9 @@ class RankAgreement:
         #: calls to let pass before the next meeting; the gap agreed for now
         self._skip = 0
         self._every = 1
-        #: rank 0: when it last posted (its pace decides the gaps)
+        #: rank 0: when it last posted, and the calls since (its pace decides the gaps)
         self._posted_at: float | None = None
+        self._calls = 0
         #: meetings so far (for tests and logs)
         self.meetings = 0
 
@@ -159,6 +165,7 @@ class RankAgreement:
     def meets(self) -> bool:
         """Whether this ``should_save`` call is a meeting (then :meth:`collect`, then
         :meth:`post`)."""
+        self._calls += 1
         if self._skip:
             self._skip -= 1
             return False
@@ -189,10 +196,10 @@ class RankAgreement:
             now = time.monotonic()
             if self._posted_at is None:
                 proposal = 1
-            else:  # the calls between two meetings took this long: aim at MEET_S
-                per_call = max(now - self._posted_at, 1e-9) / self._every
+            else:  # the calls since the last meeting took this long: aim at MEET_S
+                per_call = max(now - self._posted_at, 1e-9) / self._calls
                 proposal = max(1, min(self.MAX_EVERY, int(self.MEET_S / per_call)))
-            self._posted_at = now
+            self._posted_at, self._calls = now, 0
         self._buf[0], self._buf[1] = value, proposal
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group,
                                      async_op=True)
@@ -310,6 +317,8 @@ class Preemption:
         every rank, in the same order: with several ranks the ranks agree there."""
         ag = self.agreement
         meet = ag is None or ag.meets()
+        if (ag is None or not meet) and not self._own and self._phase == "idle":
+            return False  # nothing to tell the ranks, nothing due: the cost of most steps
         agreed = ag.collect() if ag is not None and meet else 0
         with self._lock:
             retry = self._phase == "asked"  # the save() asked for raised before it started

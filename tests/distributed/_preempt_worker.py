@@ -3,7 +3,7 @@
 Data-parallel training with ``save_on_signals = ["SIGTERM"]``; only rank 1 receives SIGTERM
 (it sends it to itself, a real signal, between step ``SIGNAL_AT`` and the next
 ``should_save``). The ranks meet to agree every few calls (as many as their pace puts in
-about 50 ms), so the step they save is the same on both but depends on that pace. A result
+a quarter of a second), so the step they save is the same on both but depends on that pace. A result
 listener writes what each rank saved to ``OUT/rank<r>.json`` (listeners hear a result before
 the signal takes effect). Once its save is asked for, a rank waits to be ended by the
 signal, so no rank's end breaks a collective of the other.
