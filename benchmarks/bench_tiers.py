@@ -1,4 +1,4 @@
-"""Multi-tier checkpoints (issue 22): restore time from each tier, save time to reach each tier.
+"""Multi-tier checkpoints: restore time from each tier, save time to reach each tier.
 
 Two ranks (gloo, real processes) as two "nodes" (``LOCAL_WORLD_SIZE=1``, a local folder each),
 the remote tier on a moto S3 server on loopback started here. Each rank holds ``--mib`` MiB of
@@ -8,7 +8,8 @@ compression on and off, ``--runs`` rounds of:
 - save, local-only anchor: a plain CheckpointManager on one LocalStore the two ranks share
   (no tiers), same processes:
   its stall (``save()`` blocking) and time to commit;
-- save, tiered: stall, time to the local commit, to the peer replica, to the remote;
+- save, tiered (a manager whose config has a ``[checkpointing.tiers]`` table): stall, time
+  to the local commit, to the peer replica, to the remote;
 - restore from the own local tier; from the peer replica (each node's own folder wiped, the
   copies the other node holds come over gloo); from the remote (both folders wiped);
   and the anchor's local restore.
@@ -17,7 +18,7 @@ Times are the slowest rank's; medians over the runs. Ratios (ours/theirs): peer/
 <= 0.3), peer/local (target <= 1.5; "local" is the tiered local restore, the plain anchor's
 is printed too), tiered stall / local-only stall (target <= 1). A tiered restore returns
 once the state is restored; the copies it fetched are written back into the node folder in
-the background (``Tiers.wait()``, untimed; ``--phases`` prints when it ended).
+the background (``manager.tiers.wait()``, untimed; ``--phases`` prints when it ended).
 
     python benchmarks/bench_tiers.py [--mib 256] [--runs 3] [--phases]
 """
@@ -55,12 +56,12 @@ def _state(mib: int, rank: int) -> dict[str, Any]:
     return {"model": model}
 
 
-def _cfg(compress: bool, run_id: str) -> Any:
+def _cfg(compress: bool, run_id: str, tiers: str = "") -> Any:
     from mithril_async import parse_config
 
     return parse_config(f'[checkpointing]\nruns_path = "runs"\nrun_id = "{run_id}"\n'
                         f"keep_last = 2\n[checkpointing.compression]\n"
-                        f"enabled = {str(compress).lower()}\nthreads = 1\n")
+                        f"enabled = {str(compress).lower()}\nthreads = 1\n{tiers}")
 
 
 def _slowest(x: float) -> float:
@@ -86,7 +87,6 @@ def rank_main(rank: int, port: int, a: dict[str, Any]) -> None:
     from mithril_async.distributed import DistCoordinator
     from mithril_async.storage import open_store
     from mithril_async.storage.local import LocalStore
-    from mithril_async.tiers import Tiers
 
     base = Path(a["base"])
     rows: dict[str, list[float]] = {}
@@ -105,10 +105,12 @@ def rank_main(rank: int, port: int, a: dict[str, Any]) -> None:
         remote = open_store({"bucket": a["bucket"], "prefix": f"{a['prefix']}-{tag}",
                              "endpoint_url": a["endpoint"]})
         (base / f"tiers-{tag}").mkdir(exist_ok=True)
-        tiers = Tiers(_cfg(compress, f"tiered-{tag}"),
-                      {"local": str(base / f"tiers-{tag}" / "node{node}"), "replicas": 1,
-                       "commit_timeout_s": 600}, remote=remote)
-        mgr = tiers.manager(state, sharded_model=True)
+        table = (f'[checkpointing.tiers]\nlocal = "{base / f"tiers-{tag}"}/node{{node}}"\n'
+                 "replicas = 1\ncommit_timeout_s = 600\n")
+        mgr = CheckpointManager(_cfg(compress, f"tiered-{tag}", table), state,
+                                tier_remote=remote, sharded_model=True)
+        tiers = mgr.tiers
+        assert tiers is not None
         root = tiers.root
         for run in range(a["runs"]):
             step = run + 1
@@ -128,16 +130,16 @@ def rank_main(rank: int, port: int, a: dict[str, Any]) -> None:
             add(f"{tag} save to remote, tiered", _slowest(res.total_s + tr.reached["remote"]))
             _, t = _timed(anchor.restore_sync, "latest")
             add(f"{tag} restore local, local-only", t)
-            _, t = _timed(tiers.restore, mgr)
-            assert set(tiers.last_sources.values()) == {"local"}, tiers.last_sources
+            _, t = _timed(mgr.restore_sync)
+            assert {str(s) for s in tiers.last_sources.values()} == {"local"}, tiers.last_sources
             add(f"{tag} restore local, tiered", t)
             if a["phases"] and rank == 0:
                 print(f"{tag} local recovery phases (rank 0, cumulative s):",
                       {k: round(v, 3) for k, v in tiers.last_timings.items()}, flush=True)
             dist.barrier()
             shutil.rmtree(root / "runs")  # this node's own tier is gone; its copies stay
-            _, t = _timed(tiers.restore, mgr)
-            assert all(s.endswith("(replica)") for k, s in tiers.last_sources.items()
+            _, t = _timed(mgr.restore_sync)
+            assert all(str(s).endswith("(replica)") for k, s in tiers.last_sources.items()
                        if "/versions/" in k), tiers.last_sources
             add(f"{tag} restore peer replica", t)
             tiers.wait()  # the copies' write-back into the node folder (background, untimed)
@@ -147,14 +149,13 @@ def rank_main(rank: int, port: int, a: dict[str, Any]) -> None:
             dist.barrier()
             shutil.rmtree(root / "runs")
             shutil.rmtree(root / "replica")
-            _, t = _timed(tiers.restore, mgr)
-            assert set(tiers.last_sources.values()) == {"remote"}, tiers.last_sources
+            _, t = _timed(mgr.restore_sync)
+            assert {str(s) for s in tiers.last_sources.values()} == {"remote"}, tiers.last_sources
             add(f"{tag} restore remote", t)
             tiers.wait()
             dist.barrier()
         mgr.close()
         anchor.close()
-        tiers.close()
     if rank == 0:
         torch.save(rows, Path(a["out"]))
     dist.barrier()

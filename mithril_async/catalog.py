@@ -98,24 +98,12 @@ class RunCatalog:
         return out
 
     async def read_manifest(self, key: str) -> VersionManifest:
-        check_key(key)
-        if not self.layout.owns(key):
-            raise InvalidFormat(f"manifest key {key!r} is outside run {self.layout.root!r}")
+        _check_manifest_key(self.layout, key)
         cached = self._manifests.get(key)
         if cached is not None:
             return cached
-        data = await self.get_metadata(key)
-        m = parse_model(VersionManifest, data, key)
-        if m.run_id != self.layout.run_id:
-            raise InvalidFormat(f"{key}: names run {m.run_id!r}, expected {self.layout.run_id!r}")
-        expected = self.layout.manifest_key(version_number(m.version_id))
-        if expected != key:
-            raise InvalidFormat(f"{key}: claims version {m.version_id} (expected at {expected})")
-        for k in m.all_keys():  # blobs may be shared with earlier versions, never other runs
-            if not self.layout.owns(k):
-                raise InvalidFormat(f"{key}: names key {k!r} outside its run")
-        if m.config is not None and not self.layout.owns(m.config.key):  # verify reads it
-            raise InvalidFormat(f"{key}: names config key {m.config.key!r} outside its run")
+        m = parse_model(VersionManifest, await self.get_metadata(key), key)
+        check_manifest(self.layout, key, m)
         self._manifests[key] = m
         return m
 
@@ -575,6 +563,23 @@ class RunCatalog:
         await self._cas("latest", decide)
         return moved
 
+    async def move_alias(self, name: str, m: VersionManifest, key: str) -> bool:
+        """Point ``aliases/<name>.json`` at ``m`` unless it already names ``m``'s version or
+        a later one (by version number; the tier layer's ``latest_local``, ...); return
+        whether it moved. Compare-and-swap, like ``latest``."""
+        moved = False
+
+        def decide(cur: AliasFile | None) -> AliasFile | None:
+            nonlocal moved
+            moved = cur is None or cur.version_id is None or cur.version_id < m.version_id
+            if not moved:
+                return None
+            return AliasFile(name=name, status="ok", run_id=m.run_id, version_id=m.version_id,
+                             step=m.step, manifest_key=key, updated_at=utcnow())
+
+        await self._cas(name, decide)
+        return moved
+
     async def move_best(self, m: VersionManifest, key: str, metric: str | None,
                         mode: Literal["min", "max"]) -> bool:
         """Point ``best`` at ``m`` if its metric is usable and better than the current one."""
@@ -681,6 +686,31 @@ class RunCatalog:
         if not self.layout.owns(key) or not await self.store.exists(key):
             raise VersionNotFound(f"run {self.layout.run_id}: no committed version {target!r}")
         return key
+
+
+def _check_manifest_key(layout: RunLayout, key: str) -> None:
+    check_key(key)
+    if not layout.owns(key):
+        raise InvalidFormat(f"manifest key {key!r} is outside run {layout.root!r}")
+
+
+def check_manifest(layout: RunLayout, key: str, m: VersionManifest) -> None:
+    """The checks every manifest read passes, wherever its bytes came from: ``key`` is a safe
+    key of ``layout``'s run and the manifest key of ``m``'s version, ``m`` names this run, and
+    every blob, RNG and config key it names lies inside the run (blobs may be shared with
+    earlier versions, never other runs). :class:`InvalidFormat` (``UnsafeKey``) naming what
+    is wrong."""
+    _check_manifest_key(layout, key)
+    if m.run_id != layout.run_id:
+        raise InvalidFormat(f"{key}: names run {m.run_id!r}, expected {layout.run_id!r}")
+    expected = layout.manifest_key(version_number(m.version_id))
+    if expected != key:
+        raise InvalidFormat(f"{key}: claims version {m.version_id} (expected at {expected})")
+    for k in m.all_keys():
+        if not layout.owns(k):
+            raise InvalidFormat(f"{key}: names key {k!r} outside its run")
+    if m.config is not None and not layout.owns(m.config.key):  # verify reads it
+        raise InvalidFormat(f"{key}: names config key {m.config.key!r} outside its run")
 
 
 def _new_claim(bases: Iterable[str] = ()) -> dict[str, Any]:

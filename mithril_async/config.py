@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from mithril_async.errors import ConfigError
+from mithril_async.tiers.config import TiersConfig
 
 
 def _no_blank(v: list[str], what: str) -> list[str]:
@@ -272,9 +273,10 @@ class CheckpointingConfig(_Strict):
     #: Below the 30 s SLURM (KillWait) and Kubernetes (terminationGracePeriodSeconds) leave
     #: before their SIGKILL, so a save asked for late still has time to finish
     signal_grace_s: float = Field(20.0, gt=0, le=86_400)
-    #: [checkpointing.tiers] (node-local tier, peer replicas, remote): the raw table, validated
-    #: by mithril_async.tiers.TiersConfig when a Tiers is built from this config; None: off
-    tiers: dict[str, Any] | None = None
+    #: [checkpointing.tiers]: saves commit on a node-local folder, are copied to peer nodes
+    #: and uploaded to [checkpointing.remote] in the background; restores take each file from
+    #: the fastest tier holding it (mithril_async/tiers/); None: off
+    tiers: TiersConfig | None = None
     #: other top-level tables of the TOML recorded with the run (runs/<id>/config/), secret-
     #: looking values redacted; by default only [checkpointing] is (other tables hold secrets)
     record_config: list[str] = Field(default_factory=list)

@@ -162,6 +162,13 @@ class DistCoordinator:
         """Every rank returns rank 0's ``value`` (blocking; used for the run id)."""
         return self._blocking(what, self._bcast_fn(value))
 
+    async def broadcast(self, value: T, what: str = "broadcast") -> T:
+        """Every rank returns rank 0's ``value`` (other ranks pass anything, e.g. None);
+        bounded and mapped to :class:`DistributedError` like every step of the protocol.
+        Layers that commit along with a save (the tiers) send on this group with it."""
+        out: T = await self._collective(what, self._bcast_fn(value))
+        return out
+
     async def barrier(self, what: str = "barrier") -> None:
         """Wait until every rank got here (bounded by the timeout)."""
         await self._collective(what, lambda: dist.barrier(group=self.group))

@@ -70,6 +70,7 @@ from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.mirror import MirrorStore
+from mithril_async.tiers.layer import Tiers
 from mithril_async.worker.client import WorkerClient, worker_unsupported
 from mithril_async.worker.shm import SharedArena
 
@@ -109,6 +110,10 @@ class CheckpointManager:
     on a thread of its own, never the caller's (:mod:`~mithril_async.listeners`); more with
     :meth:`add_listener`. ``on_save``: the older hook, committed results only, on the
     background loop before the save's handle resolves.
+
+    With ``[checkpointing.tiers]`` it saves and restores through the tiers (``self.tiers``,
+    :mod:`mithril_async.tiers.layer`); ``tier_remote``: the remote tier's store instead of
+    opening ``[checkpointing.remote]`` (tests pass an in-memory one).
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         sharded_model: bool = False,
         retention: Policy | None = _UNSET,
+        tier_remote: Store | None = None,
     ) -> None:
         self.config = config if isinstance(config, Config) else Config(checkpointing=config)
         self.cfg = cfg = self.config.checkpointing
@@ -138,6 +144,13 @@ class CheckpointManager:
                                         ("a retention policy", retention))
                  if obj is not None and obj is not _UNSET]
         keep_all = retention is None  # a worker keeps every version too
+        #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
+        self.tiers = Tiers.of(self.config, remote=tier_remote)
+        if self.tiers is not None:  # this node's folder, the tier commit, retention per tier
+            self.config, store, runs_prefix, coordinator, on_save = self.tiers.parts(
+                store, runs_prefix, coordinator, on_save)
+            self.cfg = cfg = self.config.checkpointing
+            retention = None if retention is _UNSET else retention
         if coordinator is None:  # torch.distributed with >1 rank: coordinate over gloo
             world = dist_world()
             coordinator = (DistCoordinator() if world is not None and world[1] > 1
@@ -195,6 +208,8 @@ class CheckpointManager:
         self._maintained = False
         #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
         self._guard: StepGuard | None = None
+        if self.tiers is not None:  # collective: saves are numbered above every tier's folders
+            self.tiers.attach(self)
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
         self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
@@ -379,6 +394,8 @@ class CheckpointManager:
             if self._worker is not None:  # after the last save: the worker exits
                 self._worker.close(wait=wait)
                 self._worker.arena.close()
+            if self.tiers is not None:  # its replication, uploads and write-backs end first
+                self.tiers.close()
             if self._loop is not None:
                 self._loop.run(self.store.close())
                 self._loop.close()
@@ -577,6 +594,9 @@ class CheckpointManager:
         ``"whole"``: every blob verified whole first, so damage leaves the live state
         untouched (a second read of every byte; over S3, fresh tensors: memory = the state).
         """
+        if self.tiers is not None:  # the tiers' recovery blocks on collectives: off this loop
+            return await asyncio.to_thread(self.restore_sync, target, fallback=fallback,
+                                           load=load, on_reshard=on_reshard, verify=verify)
         loop = self._started(maintain=False)
         decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load,
                                                                    verify)))
@@ -586,6 +606,9 @@ class CheckpointManager:
                      load: Literal["all", "model"] = "all",
                      on_reshard: OnReshard = default_on_reshard,
                      verify: Literal["block", "whole"] | None = None) -> RestoreResult:
+        if self.tiers is not None:  # each file from the fastest tier holding it, then read
+            return self.tiers.restore(target, load, fallback, lambda vid: self._apply(
+                self._bg(self._read(vid, False, load, verify)), load, on_reshard))
         decoded = self._bg(self._read(target, fallback, load, verify))
         return self._apply(decoded, load, on_reshard)
 
@@ -597,7 +620,7 @@ class CheckpointManager:
         return await self._reader.read_version(
             target, rank=self.rank, world_size=self.world_size, fallback=fallback,
             items={"model"} if load == "model" else None, rng=load != "model",
-            reshard=self._reshard_targets, in_place=self._in_place_targets,
+            reshard=self.reshard_targets, in_place=self._in_place_targets,
             verify=verify or self.cfg.restore.verify)
 
     def _in_place_targets(self, item: str) -> Mapping[str, Any] | None:
@@ -612,7 +635,7 @@ class CheckpointManager:
             return None
         return live_targets(obj, flatten_state(obj.state_dict())[1])
 
-    def _reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
+    def reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
         """Where a restore from pieces writes ``item`` on this rank (sharded items only)."""
         obj = self.state.get(item)
         if obj is None or not hasattr(obj, "reshard_targets"):

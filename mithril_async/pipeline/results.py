@@ -32,11 +32,11 @@ class SaveResult:
     host_peak_bytes: int = 0
     #: the state did not fit the budget staged and streamed through the slot ring (a keyframe)
     streamed: bool = False
-    #: a manager made by ``Tiers.manager``: which tiers this version reached and when
+    #: with ``[checkpointing.tiers]``: which tiers this version reached and when
     #: (``reached``: tier -> seconds after the local commit), filled in as the background
     #: replication and upload finish (``tiers.wait()`` blocks until they did), and what
     #: failed (``errors``); None without tiers or for a save that did not commit. A
-    #: :class:`~mithril_async.tiers.tiered.TierResult`, typed Any here: the pipeline does not
+    #: :class:`~mithril_async.tiers.results.TierResult`, typed Any here: the pipeline does not
     #: import the tier layer built on it (tests/test_layering.py)
     tiers: Any = None
 

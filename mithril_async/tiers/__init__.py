@@ -1,24 +1,17 @@
 """Multi-tier checkpoints: node-local commit, peer replicas over torch.distributed, remote.
 
-See :mod:`mithril_async.tiers.tiered` for how a save and a recovery flow through the tiers,
-:mod:`mithril_async.tiers.topology` for the node and replica mapping, and docs/LAYOUT.md for
-the folders and aliases."""
+Set ``[checkpointing.tiers]`` (:class:`TiersConfig`) and the manager saves and restores through
+the tiers (:mod:`mithril_async.tiers.layer` says how the parts fit; docs/LAYOUT.md the folders).
+What users get back: ``SaveResult.tiers`` (a :class:`TierResult`) and, after a restore,
+``manager.tiers.last_sources`` (a :class:`Source` per file).
 
-from mithril_async.tiers.config import TiersConfig, check_local_root
-from mithril_async.tiers.tiered import (
-    NodeStore,
-    TierCoordinator,
-    TierResult,
-    Tiers,
-    needed_files,
-    owned_files,
-    owner_of,
-    resharded_files,
-    restore_files,
-)
+Only light modules are imported here: :mod:`mithril_async.config` types its ``tiers`` field
+with :class:`TiersConfig`.
+"""
+
+from mithril_async.tiers.config import TiersConfig
+from mithril_async.tiers.results import TierResult
+from mithril_async.tiers.sources import Place, Source
 from mithril_async.tiers.topology import NodeMap
-from mithril_async.tiers.transport import GlooLink, LocalLink
 
-__all__ = ["GlooLink", "LocalLink", "NodeMap", "NodeStore", "TierCoordinator", "TierResult",
-           "Tiers", "TiersConfig", "check_local_root", "needed_files", "owned_files", "owner_of",
-           "resharded_files", "restore_files"]
+__all__ = ["NodeMap", "Place", "Source", "TierResult", "TiersConfig"]

@@ -1,8 +1,9 @@
 """``[checkpointing.tiers]``: where the node-local tier lives and how many peer copies a save makes.
 
-Parsed here from the raw mapping (the table as TOML gives it) so that the tier layer owns its
-options; :class:`TiersConfig` is a strict pydantic model like the rest of the configuration, and
-every problem is a :class:`~mithril_async.errors.ConfigError` naming the key.
+:class:`TiersConfig` is the type of :attr:`~mithril_async.config.CheckpointingConfig.tiers`: a
+strict pydantic model like the rest of the configuration, validated when the TOML is parsed, so
+every problem is a :class:`~mithril_async.errors.ConfigError` naming the key. It lives with the
+tier layer that owns its options, and imports nothing of it.
 
 ``local`` is the node-local root under which the runs folder lives (NVMe, or ``/dev/shm`` for
 RAM). ``{node}`` and ``{rank}`` are replaced per process, which is also how tests simulate
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mithril_async.errors import ConfigError
 
@@ -45,24 +46,28 @@ class TiersConfig(BaseModel):
     #: upload every committed version to ``[checkpointing.remote]`` in the background
     upload: bool = True
 
+    @field_validator("local")
+    @classmethod
+    def _known_placeholders(cls, v: str) -> str:
+        bad = [n for n in _PLACEHOLDER.findall(v) if n not in _KNOWN]
+        if bad:
+            raise ValueError(f"{v!r}: unknown placeholder(s) "
+                             f"{', '.join('{' + b + '}' for b in bad)}; only {{node}} and "
+                             "{rank} are replaced")
+        return v
+
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any], *, where: str = "checkpointing.tiers"
                      ) -> TiersConfig:
         """Validate the raw table; errors name ``<where>.<key>``."""
         try:
-            cfg = cls.model_validate(dict(table))
+            return cls.model_validate(dict(table))
         except ValidationError as err:
             parts = []
             for e in err.errors():
                 loc = ".".join(str(x) for x in e["loc"])
                 parts.append(f"{where}.{loc}: {e['msg']}")
             raise ConfigError("; ".join(parts)) from None
-        bad = [n for n in _PLACEHOLDER.findall(cfg.local) if n not in _KNOWN]
-        if bad:
-            raise ConfigError(f"{where}.local = {cfg.local!r}: unknown placeholder(s) "
-                              f"{', '.join('{' + b + '}' for b in bad)}; only {{node}} and "
-                              "{rank} are replaced")
-        return cfg
 
     def local_path(self, node: int, rank: int) -> Path:
         """The templated node-local root of one process."""

@@ -9,12 +9,12 @@ skeleton and the replicated ``b``), never saved rank 1's. Every rank writes what
 
 - ``save``: three optimizer steps, a save after each; rank 0 dumps the global tensors of
   each (the full-state oracle) to ``<out>/full_<step>.pt``.
-- ``restore``: fresh weights at this world size, ``Tiers.restore`` of ``target`` (``strict``:
-  ``Tiers.recover`` then the manager's ``restore_sync``); dumps this
-  rank's local shards, what the oracle says they must be (the saved global tensors laid out
+- ``restore``: fresh weights at this world size, the manager's ``restore_sync`` of ``target``
+  through the tiers (``strict``: ``manager.tiers.recover`` first); dumps this rank's local
+  shards, what the oracle says they must be (the saved global tensors laid out
   on this world's mesh), the resume report, where each file came from and the remote GETs.
   ``then_save``: one more step and a save at this world size, then a fresh state and a
-  second ``Tiers.restore`` (of ``latest``: that save), dumping both.
+  second restore (of ``latest``: that save) by a new manager, dumping both.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from mithril_async import parse_config
+from mithril_async import CheckpointManager, parse_config
 from mithril_async.distributed import ShardedModel, ShardedOptimizer
 from mithril_async.storage import open_store
-from mithril_async.tiers import Tiers
+from mithril_async.tiers.layer import Tiers
 from tests.distributed._reshard_worker import full, local
+from tests.tiers._state import tier_config
 from tests.tiers._tier_worker import CountingStore
 
 SHAPES = {"w0": (8, 3), "w1": (4, 2), "b": (3,)}
@@ -73,7 +74,10 @@ def oracle(net: Net, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiers(a: dict[str, Any]) -> tuple[Tiers, CountingStore | None]:
+def _manager(a: dict[str, Any], net: Net, opt: torch.optim.Optimizer
+             ) -> tuple[CheckpointManager, CountingStore | None]:
+    """A manager of the sharded state through the tiers ``a`` describes; its remote tier
+    counts the GETs reaching it."""
     cfg = parse_config('[checkpointing]\nruns_path = "runs"\nrun_id = "elastic"\n'
                        "ckpting_save_iter = 1\n[checkpointing.compression]\nthreads = 1\n"
                        "chunk_mib = 0.0001\n")
@@ -83,61 +87,68 @@ def _tiers(a: dict[str, Any]) -> tuple[Tiers, CountingStore | None]:
                                            "endpoint_url": a["endpoint"], "max_attempts": 2}))
     table = {"local": a["local"], "replicas": a["replicas"], "keep_local": 2,
              "keep_replicated": 2, "commit_timeout_s": 60, "upload": remote is not None}
-    return Tiers(cfg, table, remote=remote), remote
+    state = {"model": ShardedModel(net), "optimizer": ShardedOptimizer(net, opt)}
+    return CheckpointManager(tier_config(table, cfg), state, tier_remote=remote,
+                             sharded_model=True), remote
 
 
-def _state(net: Net, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": ShardedModel(net), "optimizer": ShardedOptimizer(net, opt)}
+def _tiers(mgr: CheckpointManager) -> Tiers:
+    assert mgr.tiers is not None
+    return mgr.tiers
+
+
+def _sources(mgr: CheckpointManager) -> dict[str, str]:
+    return {k: str(v) for k, v in _tiers(mgr).last_sources.items()}
 
 
 def save(a: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     net = Net(1, world)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    tiers, _ = _tiers(a)
-    mgr = tiers.manager(_state(net, opt), sharded_model=True)
+    mgr, _ = _manager(a, net, opt)
     for i in range(1, 4):
         train(net, opt, i)
         mgr.save_nowait(i).result()
         glob = full(net, opt)
         if rank == 0:
             torch.save(glob, Path(a["out"]) / f"full_{i}.pt")
-    results = tiers.wait()
+    results = _tiers(mgr).wait()
     seen = {"reached": {r.version_id: sorted(r.reached) for r in results},
             "errors": {r.version_id: r.errors for r in results}}
     mgr.close()
-    tiers.close()
     return seen
 
 
 def restore(a: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     net = Net(2, world)  # other weights, no optimizer state: the restore must fill them
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    tiers, remote = _tiers(a)
-    mgr = tiers.manager(_state(net, opt), sharded_model=True)
+    mgr, remote = _manager(a, net, opt)
+    target = a.get("target", "latest")
     if a.get("strict"):  # every file hashed and written into the node folder first
-        res = mgr.restore_sync(tiers.recover(a.get("target", "latest")))
-    else:
-        res = tiers.restore(mgr, a.get("target", "latest"))
+        target = _tiers(mgr).recover(target)
+        sources, phases = _sources(mgr), sorted(_tiers(mgr).last_timings)
+    res = mgr.restore_sync(target)
+    if not a.get("strict"):
+        sources, phases = _sources(mgr), sorted(_tiers(mgr).last_timings)
     saved = torch.load(Path(a["out"]) / f"full_{int(res)}.pt")
     seen: dict[str, Any] = {
         "step": int(res), "exact": res.resume.exact, "resharded": res.resume.resharded,
         "local": local(net, opt), "oracle": oracle(net, saved),
-        "sources": dict(tiers.last_sources), "phases": sorted(tiers.last_timings),
+        "sources": sources, "phases": phases,
         "remote_gets": None if remote is None else remote.gets}
     if a.get("then_save"):  # the next save at this world size, then restore it again
         train(net, opt, 4)
         mgr.save_nowait(4).result()
-        seen["after"] = {r.version_id: (sorted(r.reached), r.errors) for r in tiers.wait()}
+        seen["after"] = {r.version_id: (sorted(r.reached), r.errors)
+                         for r in _tiers(mgr).wait()}
         seen["saved4"] = local(net, opt)
         mgr.close()
         net2 = Net(3, world)
         opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-2)
-        mgr = tiers.manager(_state(net2, opt2), sharded_model=True)
-        res2 = tiers.restore(mgr)
+        mgr, _ = _manager(a, net2, opt2)
+        res2 = mgr.restore_sync()
         seen.update(step2=int(res2), exact2=res2.resume.exact, local2=local(net2, opt2),
-                    sources2=dict(tiers.last_sources))
+                    sources2=_sources(mgr))
     mgr.close()
-    tiers.close()
     return seen
 
 

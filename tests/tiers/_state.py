@@ -40,3 +40,21 @@ def snapshot(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def tier_config(table: dict[str, Any], config: Any = None) -> Any:
+    """``config`` (default: :func:`run_config`) with ``table`` as its
+    ``[checkpointing.tiers]``."""
+    from mithril_async.tiers import TiersConfig
+
+    config = (config or run_config()).model_copy(deep=True)
+    config.checkpointing.tiers = TiersConfig.from_mapping(table)
+    return config
+
+
+def tiered(table: dict[str, Any], state: dict[str, Any], remote: Any = None, **kw: Any) -> Any:
+    """A manager of run ``r1`` saving and restoring through the tiers ``table`` describes,
+    ``remote`` as its remote tier."""
+    from mithril_async import CheckpointManager
+
+    return CheckpointManager(tier_config(table), state, tier_remote=remote, **kw)

@@ -1,9 +1,13 @@
 """Node loss with tiers, in real processes over gloo: 4 ranks as 2 nodes, remote on moto.
 
-One save run (three versions), then restarted jobs after: node 0's folder wiped (restored
-from node 1's replicas, no GET reaches the remote); node 0 wiped again and one replica on
-node 1 corrupted (that blob alone comes from the remote); both nodes wiped (everything from
-the remote). Each restore must give back, bit for bit, the state and RNG of the last save.
+One save run (three versions; every rank's manager made by ``CheckpointManager.from_toml``
+from a TOML with a ``[checkpointing.tiers]`` table, as the README's quickstart does), then
+restarted jobs after: node 0's folder wiped (restored from node 1's replicas, no GET reaches
+the remote); node 0's folder wiped again and the run's objects gone from the bucket (a fresh
+job of the quickstart, ``await manager.restore("latest")``, recovers from node 1's
+replicas); node 0 wiped again and one replica on node 1 corrupted (that blob alone comes from
+the remote); both nodes wiped (everything from the remote). Each restore must give back, bit
+for bit, the state and RNG of the last save.
 
 Three ranks as three nodes with two replicas and no remote: one file that cannot be read
 (EIO) fails that version's replication for that file alone, on both sides, and the next
@@ -40,6 +44,16 @@ def launch(scenario: str, args: dict[str, Any], timeout: float = 120, world: int
     for r in range(world):
         (out / f"{scenario}_rank{r}.pt").unlink()
     return got
+
+
+def _move(moto: MotoS3, src: str, dst: str) -> int:
+    """Every object under the prefix ``src`` moved to ``dst`` (server-side copies); how many."""
+    keys = moto.objects(src)
+    for key in keys:
+        moto.client.copy_object(Bucket=moto.bucket, Key=dst + key[len(src):],
+                                CopySource={"Bucket": moto.bucket, "Key": key})
+        moto.client.delete_object(Bucket=moto.bucket, Key=key)
+    return len(keys)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -97,6 +111,18 @@ def test_node_loss(tmp_path: Path, moto: MotoS3, compress: bool) -> None:
         model = "runs/tiered/versions/v000003/model.mckp"
         assert got[r]["sources"].pop(model) == "local replica"
         assert set(got[r]["sources"].values()) == {"local"}
+
+    # 1b. node 0 gone again and the bucket holds nothing of the run: a fresh job of the README's
+    # quickstart (from_toml, await manager.restore("latest")) recovers from node 1's replicas
+    shutil.rmtree(node0)
+    assert _move(moto, prefix + "/", prefix + "-aside/") > 0
+    got = launch("quickstart", args)
+    check(got)
+    assert set(got[0]["sources"].values()) == {"rank 2 (replica)"}
+    assert set(got[1]["sources"].values()) == {"rank 2 (replica)", "rank 3 (replica)"}
+    assert not any("remote" in g["sources"].values() for g in got)
+    assert moto.objects(prefix + "/") == []  # the restore wrote nothing to the remote
+    _move(moto, prefix + "-aside/", prefix + "/")
 
     # 2. node 0 gone again and rank 0's optimizer replica damaged: that blob from the remote.
     # Checked twice: the copy hashed on arrival (small files are), and, with nothing hashed

@@ -14,7 +14,7 @@ A job of 4 ranks as 2 nodes (``LOCAL_WORLD_SIZE=2``) saves three versions of a s
    from the remote alone (one GET); then a save at the new size (to the remote too)
    restores again at that size;
 3. both folders gone: the 4-rank version restores from the remote at 2 ranks (the strict
-   ``Tiers.recover``, which writes every fetched file into the new node folder).
+   ``manager.tiers.recover``, which writes every fetched file into the new node folder).
 
 Each resharded restore must give, bit for bit, the saved global tensors laid out on the new
 mesh (the full-state oracle), with ``resume.exact`` false.

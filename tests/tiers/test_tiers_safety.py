@@ -21,44 +21,44 @@ from typing import Any
 
 import pytest
 
+from mithril_async import CheckpointManager
 from mithril_async.errors import DistributedError, InvalidFormat, KeyExists, ShapeMismatch
 from mithril_async.manifest import AliasFile, VersionManifest, dump_model, parse_model
-from mithril_async.tiers import Tiers
-from tests.tiers._state import run_config, same, snapshot, tiny_state, train_step
+from mithril_async.tiers import Place, Source
+from tests.tiers._state import same, snapshot, tiered, tiny_state, train_step
 from tests.tiers._stores import CountingMemory, GatedRemote
 
 VERSIONS = "runs/r1/versions"
 
 
-def _tiers(tmp_path: Path, folder: str, remote: Any, **table: Any) -> Tiers:
-    return Tiers(run_config(), {"local": str(tmp_path / folder), "replicas": 0, **table},
-                 remote=remote)
+def _manager(tmp_path: Path, folder: str, remote: Any, state: dict[str, Any],
+             **table: Any) -> CheckpointManager:
+    return tiered({"local": str(tmp_path / folder), "replicas": 0, **table}, state, remote)
 
 
-def _save_steps(tiers: Tiers, steps: list[int], seed: int = 1) -> dict[int, Any]:
+def _save_steps(tmp_path: Path, folder: str, remote: Any, steps: list[int], seed: int = 1,
+                **table: Any) -> dict[int, Any]:
     """A fresh state saved at each of ``steps`` (one training step before each); the
     snapshots by step, once every version's tier work ended."""
     state = tiny_state(seed)
-    mgr = tiers.manager(state)
+    mgr = _manager(tmp_path, folder, remote, state, **table)
     saved = {}
     for step in steps:
         train_step(state)
         mgr.save_nowait(step).result()
         saved[step] = snapshot(state)
-    tiers.wait()
-    mgr.close()
-    tiers.close()
+    mgr.close()  # after the tiers' background work
     return saved
 
 
-def _restored(tiers: Tiers, target: str = "latest", seed: int = 9) -> tuple[int, Any]:
+def _restored(tmp_path: Path, folder: str, remote: Any, target: str = "latest",
+              seed: int = 9) -> tuple[int, Any]:
     state = tiny_state(seed)
-    mgr = tiers.manager(state)
+    mgr = _manager(tmp_path, folder, remote, state)
     try:
-        step = int(tiers.restore(mgr, target))
+        step = int(mgr.restore_sync(target))
     finally:
         mgr.close()
-        tiers.close()
     return step, snapshot(state)
 
 
@@ -69,11 +69,10 @@ def _files(root: Path) -> set[str]:
 def test_fresh_node_folder_numbers_above_the_remote_and_never_overwrites_it(
         tmp_path: Path) -> None:
     remote = CountingMemory()
-    first = _save_steps(_tiers(tmp_path, "old{node}", remote), [1])
+    first = _save_steps(tmp_path, "old{node}", remote, [1])
     # another machine, the same run id, a save before any restore
-    tiers = _tiers(tmp_path, "new{node}", remote)
     state = tiny_state(2)
-    mgr = tiers.manager(state)
+    mgr = _manager(tmp_path, "new{node}", remote, state)
     train_step(state)
     res = mgr.save_nowait(5).result()
     assert res.version_id == "v000002"  # above the remote's v000001, not over it
@@ -96,11 +95,10 @@ def test_fresh_node_folder_numbers_above_the_remote_and_never_overwrites_it(
     assert latest.version_id == "v000002"
     assert mgr.latest_step() == 6  # the local commit stands
     mgr.close()
-    tiers.close()
     # both versions restore bit for bit from the remote alone
-    step, got = _restored(_tiers(tmp_path, "a{node}", remote), "v000001")
+    step, got = _restored(tmp_path, "a{node}", remote, "v000001")
     assert step == 1 and same(got, first[1])
-    step, got = _restored(_tiers(tmp_path, "b{node}", remote), "v000002")
+    step, got = _restored(tmp_path, "b{node}", remote, "v000002")
     assert step == 5 and same(got, second)
 
 
@@ -108,16 +106,16 @@ def test_retention_keeps_versions_whose_upload_has_not_run(tmp_path: Path) -> No
     """keep_local = 2 while v000001's upload is held and three more saves commit: every
     version still reaches the remote (none is deleted locally before its upload)."""
     remote = GatedRemote("v000001")
-    tiers = _tiers(tmp_path, "n{node}", remote, keep_local=2)
     state = tiny_state(1)
-    mgr = tiers.manager(state)
+    mgr = _manager(tmp_path, "n{node}", remote, state, keep_local=2)
     for step in (1, 2, 3, 4):
         train_step(state)
         assert mgr.save_nowait(step).result().status == "committed"
         if step == 1:
             assert remote.waiting.wait(60)  # v000001's upload is in flight
     remote.gate.set()
-    results = tiers.wait()
+    assert mgr.tiers is not None
+    results = mgr.tiers.wait()
     assert [(r.version_id, sorted(r.reached), r.errors) for r in results] == [
         (f"v00000{n}", ["local", "remote"], {}) for n in (1, 2, 3, 4)]
     for n in (1, 2, 3, 4):
@@ -126,38 +124,35 @@ def test_retention_keeps_versions_whose_upload_has_not_run(tmp_path: Path) -> No
     assert sorted(p.name for p in (tmp_path / "n0" / VERSIONS).iterdir()) == [
         "v000003", "v000004"]
     mgr.close()
-    tiers.close()
 
 
 def test_failed_recovery_leaves_the_node_folder_as_it_found_it(tmp_path: Path) -> None:
     remote = CountingMemory()
-    _save_steps(_tiers(tmp_path, "n{node}", remote), [1, 2])
+    _save_steps(tmp_path, "n{node}", remote, [1, 2])
     node = tmp_path / "n0"
     # 1. a file of the newest version is intact on no tier: the recovery fails
     shutil.rmtree(node)
     asyncio.run(remote.delete(f"{VERSIONS}/v000002/opt_shard_rank0000.bin"))
-    tiers = _tiers(tmp_path, "n{node}", remote)
-    mgr = tiers.manager(tiny_state(5))
+    mgr = _manager(tmp_path, "n{node}", remote, tiny_state(5))
     before = _files(node)
     with pytest.raises(DistributedError, match=r"opt_shard_rank0000.bin of v000002 is intact "
                                                r"on no tier"):
-        tiers.restore(mgr)
+        mgr.restore_sync()
     assert _files(node) == before  # no manifest (nor anything else) without its files
     mgr.close()
-    tiers.close()
     # 2. every file fetched (small ones written before the restore), then the restore
     # fails for good (another model shape): what the recovery wrote is taken back
     asyncio.run(remote.delete(f"{VERSIONS}/v000002/manifest.json"))  # v000001 is latest now
     shutil.rmtree(node)
-    tiers = _tiers(tmp_path, "n{node}", remote)
-    mgr = tiers.manager(tiny_state(5, d=16))
+    mgr = _manager(tmp_path, "n{node}", remote, tiny_state(5, d=16))
     before = _files(node)
     with pytest.raises(ShapeMismatch):
-        tiers.restore(mgr)
-    assert tiers.last_sources and set(tiers.last_sources.values()) == {"remote"}
+        mgr.restore_sync()
+    assert mgr.tiers is not None
+    assert mgr.tiers.last_sources and set(mgr.tiers.last_sources.values()) == {
+        Source(Place.REMOTE)}
     assert _files(node) == before
     mgr.close()
-    tiers.close()
 
 
 def test_remote_manifest_naming_another_run_is_refused_before_any_fetch(
@@ -167,7 +162,7 @@ def test_remote_manifest_naming_another_run_is_refused_before_any_fetch(
     can trust; asked for by name it is refused (InvalidFormat) before anything is fetched or
     written. The other run's file is never read, nor written into the node folder."""
     remote = CountingMemory()
-    saved = _save_steps(_tiers(tmp_path, "n{node}", remote, keep_local=3), [1, 2])
+    saved = _save_steps(tmp_path, "n{node}", remote, [1, 2], keep_local=3)
     v2 = parse_model(VersionManifest,
                      asyncio.run(remote.get(f"{VERSIONS}/v000002/manifest.json")), "v2")
     foreign = "runs/other/versions/v000001/model.mckp"
@@ -178,14 +173,12 @@ def test_remote_manifest_naming_another_run_is_refused_before_any_fetch(
     node = tmp_path / "n0"
 
     remote.calls.clear()
-    step, got = _restored(_tiers(tmp_path, "n{node}", remote))
+    step, got = _restored(tmp_path, "n{node}", remote)
     assert step == 2 and same(got, saved[2])
-    tiers = _tiers(tmp_path, "n{node}", remote)
-    mgr = tiers.manager(tiny_state(9))
+    mgr = _manager(tmp_path, "n{node}", remote, tiny_state(9))
     with pytest.raises(InvalidFormat, match=r"outside its run"):
-        tiers.restore(mgr, "v000003")
+        mgr.restore_sync("v000003")
     mgr.close()
-    tiers.close()
     assert [c for c in remote.calls if c[1] == foreign] == []
     assert not (node / "runs" / "other").exists()
     assert not (node / VERSIONS / "v000003").exists()

@@ -7,31 +7,28 @@ import asyncio
 import os
 from datetime import UTC, datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from mithril_async import parse_config
+from mithril_async import CheckpointManager, parse_config
+from mithril_async.distributed import ShardTarget
 from mithril_async.errors import ConfigError, StorageError
 from mithril_async.manifest import BlobRef, VersionManifest
+from mithril_async.restore.plan import make_plan
 from mithril_async.restore.reshard import Box
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
-from mithril_async.tiers import (
-    NodeMap,
-    Tiers,
-    TiersConfig,
-    needed_files,
-    owned_files,
-    owner_of,
-    resharded_files,
-    restore_files,
-)
+from mithril_async.tiers import NodeMap, TiersConfig
+from mithril_async.tiers.commit import VersionMeta
+from mithril_async.tiers.files import Need, files_to_restore, owned_files, owner_of
+from mithril_async.tiers.layer import Tiers
+from mithril_async.tiers.replicate import replicate
+from mithril_async.tiers.sources import OWN_FOLDER, REMOTE
 from mithril_async.tiers.transport import Payload
 from tests.ranks import free_port
-from tests.tiers._state import tiny_state, train_step
+from tests.tiers._state import tier_config, tiered, tiny_state, train_step
 
 
 # ---------------------------------------------------------------- node mapping
@@ -90,31 +87,43 @@ def _config(tmp: Path, **extra: str) -> Any:
                         + "".join(f"{k} = {v}\n" for k, v in extra.items()))
 
 
+def _manager(config: Any, table: dict[str, Any], remote: Any = None) -> CheckpointManager:
+    """A manager saving through the tiers ``table`` describes, over ``config``."""
+    return CheckpointManager(tier_config(table, config), tiny_state(1), tier_remote=remote)
+
+
 def test_bad_local_path_fails_at_construction(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"tiers.local = .*missing.* does not exist"):
-        Tiers(_config(tmp_path), {"local": str(tmp_path / "missing" / "{node}"),
-                                  "replicas": 0})
+        _manager(_config(tmp_path), {"local": str(tmp_path / "missing" / "{node}"),
+                                     "replicas": 0})
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(ConfigError, match=r"is not a directory"):
-        Tiers(_config(tmp_path), {"local": str(afile / "{node}"), "replicas": 0})
+        _manager(_config(tmp_path), {"local": str(afile / "{node}"), "replicas": 0})
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match=r"is not writable"):
-            Tiers(_config(tmp_path), {"local": str(ro), "replicas": 0})
+            _manager(_config(tmp_path), {"local": str(ro), "replicas": 0})
 
 
 def test_one_node_cannot_hold_a_replica(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"replicas = 1 needs at least 2 nodes; this job has 1"):
-        Tiers(_config(tmp_path), {"local": str(tmp_path / "{node}")})
+        _manager(_config(tmp_path), {"local": str(tmp_path / "{node}")})
 
 
 def test_delta_chains_are_refused(tmp_path: Path) -> None:
     cfg = parse_config('[checkpointing]\nruns_path = "runs"\n'
                        "[checkpointing.compression]\ndelta = true\n")
     with pytest.raises(ConfigError, match=r"compression.delta"):
-        Tiers(cfg, {"local": str(tmp_path), "replicas": 0})
+        _manager(cfg, {"local": str(tmp_path), "replicas": 0})
+
+
+def test_remote_only_mode_is_refused(tmp_path: Path) -> None:
+    cfg = parse_config('[checkpointing]\nruns_path = "runs"\n[checkpointing.remote]\n'
+                       'bucket = "bkt"\nmode = "remote_only"\n')
+    with pytest.raises(ConfigError, match=r"remote.mode = 'remote_only' does not combine"):
+        _manager(cfg, {"local": str(tmp_path), "replicas": 0})
 
 
 def test_unreachable_remote_is_a_storage_error_at_start(tmp_path: Path) -> None:
@@ -126,7 +135,7 @@ def test_unreachable_remote_is_a_storage_error_at_start(tmp_path: Path) -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     with pytest.raises(StorageError, match=rf"remote tier s3://nobucket/ at http://127.0.0.1:{port}"
                                            r" is unreachable at start"):
-        Tiers(cfg, {"local": str(tmp_path), "replicas": 0, "commit_timeout_s": 20})
+        _manager(cfg, {"local": str(tmp_path), "replicas": 0, "commit_timeout_s": 20})
 
 
 # ---------------------------------------------------------------- one process, end to end
@@ -139,16 +148,15 @@ def _model(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> None:
     remote = MemoryStore()
     table = {"local": str(tmp_path / "node{node}"), "replicas": 0, "keep_local": 2}
-    tiers = Tiers(_config(tmp_path), table, remote=remote)
     state = tiny_state(1)
-    mgr = tiers.manager(state)
+    mgr = CheckpointManager(tier_config(table, _config(tmp_path)), state, tier_remote=remote)
     saved = {}
     for step in (1, 2, 3):
         train_step(state)
         res = mgr.save_nowait(step).result()
         assert res.status == "committed"
         saved[step] = _model(state)
-    results = {r.version_id: r for r in tiers.wait()}
+    results = {r.version_id: r for r in _tiers(mgr).wait()}
     assert set(results) == {"v000001", "v000002", "v000003"}
     for r in results.values():
         assert set(r.reached) == {"local", "remote"} and r.errors == {}
@@ -160,74 +168,69 @@ def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> 
     assert "runs/r1/aliases/latest_remote.json" in keys
     assert sum(k.endswith("/manifest.json") for k in keys) == 3  # no keep_*: the remote keeps all
     mgr.close()
-    tiers.close()
 
     # local blob damaged: that blob alone comes from the remote, the rest stays local
     blob = root / "versions" / "v000003" / "opt_shard_rank0000.bin"
     data = bytearray(blob.read_bytes())
     data[-5] ^= 0x01
     blob.write_bytes(bytes(data))
-    tiers = Tiers(_config(tmp_path), table, remote=remote)
     fresh = tiny_state(2)
-    mgr = tiers.manager(fresh)
-    assert tiers.restore(mgr) == 3
-    assert tiers.last_sources == {
-        "runs/r1/config/train.toml": "local",
-        "runs/r1/versions/v000003/model.mckp": "local",
-        "runs/r1/versions/v000003/opt_shard_rank0000.bin": "remote",
-        "runs/r1/versions/v000003/rng_rank0000.json": "local"}
+    mgr = CheckpointManager(tier_config(table, _config(tmp_path)), fresh, tier_remote=remote)
+    assert mgr.restore_sync() == 3
+    assert _tiers(mgr).last_sources == {
+        "runs/r1/config/train.toml": OWN_FOLDER,
+        "runs/r1/versions/v000003/model.mckp": OWN_FOLDER,
+        "runs/r1/versions/v000003/opt_shard_rank0000.bin": REMOTE,
+        "runs/r1/versions/v000003/rng_rank0000.json": OWN_FOLDER}
     assert all(torch.equal(v, saved[3][k]) for k, v in _model(fresh).items())
     mgr.close()
-    tiers.close()
 
     # the node is gone: everything from the remote, which kept every version
     import shutil
     shutil.rmtree(tmp_path / "node0")
-    tiers = Tiers(_config(tmp_path), table, remote=remote)
     fresh = tiny_state(3)
-    mgr = tiers.manager(fresh)
-    assert tiers.restore(mgr) == 3
-    assert set(tiers.last_sources.values()) == {"remote"}
+    mgr = CheckpointManager(tier_config(table, _config(tmp_path)), fresh, tier_remote=remote)
+    assert mgr.restore_sync() == 3
+    assert set(_tiers(mgr).last_sources.values()) == {REMOTE}
     assert all(torch.equal(v, saved[3][k]) for k, v in _model(fresh).items())
     mgr.close()
-    tiers.close()
+
+
+def _tiers(mgr: CheckpointManager) -> Tiers:
+    assert mgr.tiers is not None
+    return mgr.tiers
 
 
 def test_failed_upload_is_reported_and_keeps_the_local_commit(tmp_path: Path) -> None:
     remote = MemoryStore()
-    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0},
-                  remote=remote)
     state = tiny_state(1)
-    mgr = tiers.manager(state)
+    mgr = tiered({"local": str(tmp_path / "n{node}"), "replicas": 0}, state, remote)
     train_step(state)
     remote.inject_fault("put_if_absent", StorageError("injected: bucket full"), times=1)
     assert mgr.save_nowait(1).result().status == "committed"
-    (res,) = tiers.wait()
+    (res,) = _tiers(mgr).wait()
     assert set(res.reached) == {"local"}
     assert "rank 0" in res.errors["remote"] and "bucket full" in res.errors["remote"]
     assert (tmp_path / "n0/runs/r1/versions/v000001/manifest.json").exists()
     assert mgr.latest_step() == 1
     mgr.close()
-    tiers.close()
 
 
 def test_file_ownership_from_a_manifest(tmp_path: Path) -> None:
     assert owner_of("runs/r/versions/v000001/opt_shard_rank0003.bin") == 3
     assert owner_of("runs/r/versions/v000001/model.mckp") == 0
-    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path), "replicas": 0},
-                  remote=LocalStore(tmp_path / "remote"))
     state = tiny_state(1)
-    mgr = tiers.manager(state)
+    mgr = tiered({"local": str(tmp_path), "replicas": 0}, state,
+                 LocalStore(tmp_path / "remote"))
     mgr.save_nowait(1).result()
-    tiers.wait()
+    _tiers(mgr).wait()
     m = mgr._bg(mgr.catalog.versions())[0]
     files = owned_files(m)
     assert set(files) == {0}
     assert {n.key.rsplit("/", 1)[1] for n in files[0]} == {
         "model.mckp", "opt_shard_rank0000.bin", "rng_rank0000.json"}
-    assert all(n.xxh64 for n in needed_files(m, 0))
+    assert all(n.xxh64 for n in files_to_restore(m, None))
     mgr.close()
-    tiers.close()
 
 
 class _DeadPeerLink:
@@ -251,47 +254,52 @@ class _DeadPeerLink:
 def test_replication_to_a_dead_peer_names_rank_and_tier(tmp_path: Path) -> None:
     from mithril_async.errors import DistributedError
 
-    first = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0})
     state = tiny_state(1)
-    mgr = first.manager(state)
+    mgr = tiered({"local": str(tmp_path / "n{node}"), "replicas": 0}, state)
     mgr.save_nowait(1).result()
-    first.wait()
     m = mgr._bg(mgr.catalog.versions())[0]
     key = mgr.layout.manifest_key(1)
-    payload = mgr._bg(first.manifest_payload(key))
+    meta = asyncio.run(VersionMeta.read(_tiers(mgr).store, key))
+    layout = mgr.layout
     mgr.close()
-    first.close()
-    two = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 1},
-                link=_DeadPeerLink(), node_map=NodeMap((0, 1)))
-    two.layout = first.layout
-    assert two.holders == [1]
+    two = Tiers(tier_config({"local": str(tmp_path / "n{node}"), "replicas": 1},
+                            _config(tmp_path)), link=_DeadPeerLink(), node_map=NodeMap((0, 1)))
+    two.ctx.layout = layout
+    assert two.ctx.holders(0) == [1]
     want = (r"v000001: tier replicated failed: rank 0: DistributedError: .*"
             r"copies to/from rank\(s\) \[1\] \(tier replicated\)")
     with pytest.raises(DistributedError, match=want):
-        two._loop.run(two._replicate(payload, m))
+        asyncio.run(replicate(two.ctx, meta, m))
     two.close()
 
 
-def test_tiers_table_in_the_toml(tmp_path: Path) -> None:
-    cfg = parse_config(f'[checkpointing]\nruns_path = "runs"\n[checkpointing.tiers]\n'
-                       f'local = "{tmp_path}/nvme/{{node}}"\nreplicas = 0\nkeep_local = 3\n')
+def test_tiers_table_in_the_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table alone turns the tiers on for the plain manager; a bad table is refused
+    when the TOML is parsed; a remote tier store without the table is refused."""
+    toml = tmp_path / "train.toml"
+    toml.write_text(f'[checkpointing]\nruns_path = "runs"\n[checkpointing.tiers]\n'
+                    f'local = "{tmp_path}/nvme/{{node}}"\nreplicas = 0\nkeep_local = 3\n')
     (tmp_path / "nvme").mkdir()
-    tiers = Tiers(cfg)
-    assert tiers.tcfg.keep_local == 3 and tiers.root == tmp_path / "nvme" / "0"
-    tiers.close()
-    bad = parse_config('[checkpointing]\n[checkpointing.tiers]\nlocal = "/x"\nreplica = 1\n')
+    mgr = CheckpointManager.from_toml(toml, tiny_state(1))
+    tiers = _tiers(mgr)
+    assert tiers.ctx.tcfg.keep_local == 3 and tiers.root == tmp_path / "nvme" / "0"
+    assert mgr.store is tiers.store and (tmp_path / "nvme" / "0").is_dir()
+    mgr.close()
+    bad = '[checkpointing]\n[checkpointing.tiers]\nlocal = "/x"\nreplica = 1\n'
     with pytest.raises(ConfigError, match=r"checkpointing.tiers.replica: Extra inputs"):
-        Tiers(bad)
+        parse_config(bad)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"checkpointing.tiers is not set"):
-        Tiers(parse_config("[checkpointing]\n"))
+        CheckpointManager(parse_config("[checkpointing]\n"), tiny_state(1),
+                          tier_remote=MemoryStore())
 
 
 def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Path) -> None:
     remote = MemoryStore()
-    tiers = Tiers(_config(tmp_path), {"local": str(tmp_path / "n{node}"), "replicas": 0,
-                                      "keep_local": 1}, remote=remote)
     state = tiny_state(1)
-    mgr = tiers.manager(state)
+    mgr = tiered({"local": str(tmp_path / "n{node}"), "replicas": 0, "keep_local": 1}, state,
+                 remote)
+    tiers = _tiers(mgr)
     versions = tmp_path / "n0" / "runs" / "r1" / "versions"
     mgr.save_nowait(1).result()
     tiers.wait()
@@ -311,7 +319,6 @@ def test_fast_tier_keeps_the_last_remote_version_while_uploads_fail(tmp_path: Pa
     assert "remote" in res["v000004"].reached
     assert sorted(p.name for p in versions.iterdir()) == ["v000004"]
     mgr.close()
-    tiers.close()
 
 
 def _sharded_manifest(world: int, rows: int = 8) -> Any:
@@ -345,38 +352,59 @@ def _sharded_manifest(world: int, rows: int = 8) -> Any:
 
 
 def test_resharded_files_are_the_overlapping_saved_ranks() -> None:
-    """4 saved ranks onto 2: each new rank fetches the saved blobs its rows overlap, and the
-    lowest saved rank's (skeleton, replicated step), every RNG file, the whole model; not
-    the others. Without a plan (no targets, or one that fails) every saved blob, so the
-    reader still finds what it needs and reports its own error."""
+    """4 saved ranks onto 2: each new rank fetches what its restore plan reads: the saved
+    blobs its rows overlap, and the lowest saved rank's (skeleton, replicated step), every
+    RNG file, the whole model; not the others. Without a plan (no targets, or one that
+    fails) every saved blob, so the reader still finds what it needs and reports its own
+    error."""
     m = _sharded_manifest(4)
 
     def targets_for(new_rank: int, world: int) -> Any:
         def targets(item: str, pieces: dict[str, Any]) -> dict[str, Any]:
             assert item == "optimizer" and set(pieces) == {"w", "step"}
             per = 8 // world
-            return {"w": SimpleNamespace(box=Box.of([new_rank * per, 0], [per, 2])),
-                    "step": SimpleNamespace(box=Box.of([], []))}
+            w, step = torch.zeros(per, 2), torch.zeros(())
+            return {"w": ShardTarget(w, w, Box.of([new_rank * per, 0], [per, 2]), (8, 2),
+                                     torch.float32),
+                    "step": ShardTarget(step, step, Box.of([], []), (), torch.float32)}
         return targets
+
+    def files(rank: int, world: int, targets: Any) -> list[Need]:
+        return files_to_restore(m, lambda v: make_plan(v, rank=rank, world_size=world,
+                                                        reshard=targets))
 
     def blobs(needs: list[Any]) -> set[int]:
         return {n.owner for n in needs if "opt_shard" in n.key}
 
     for rank, want in ((0, {0, 1}), (1, {0, 2, 3})):
-        needs = resharded_files(m, targets_for(rank, 2))
+        needs = files(rank, 2, targets_for(rank, 2))
         assert blobs(needs) == want, rank
         assert sum("rng_rank" in n.key for n in needs) == 4
         assert any(n.key.endswith("model.mckp") for n in needs)
-        assert restore_files(m, rank, 2, targets_for(rank, 2)) == needs
-    assert blobs(resharded_files(m, None)) == {0, 1, 2, 3}
+    assert blobs(files(0, 2, None)) == {0, 1, 2, 3}
 
     def broken(item: str, pieces: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("no live state")
 
-    assert blobs(resharded_files(m, broken)) == {0, 1, 2, 3}
+    assert blobs(files(0, 2, broken)) == {0, 1, 2, 3}
     # the same world: its own files, plus the lowest rank's blob (skeleton, replicated
     # pieces), which the one reader reads for any restore from pieces
-    same = restore_files(m, 2, 4, targets_for(2, 4))
+    same = files(2, 4, targets_for(2, 4))
     assert blobs(same) == {0, 2}
     assert [n.key.rsplit("/", 1)[1] for n in same if "rng" in n.key] == ["rng_rank0002.json"]
-    assert blobs(restore_files(m, 2, 4, None)) == {2}  # no targets: as before
+    assert blobs(files(2, 4, None)) == {2}  # no targets: as before
+
+
+def test_tier_aliases_only_move_forward() -> None:
+    """``latest_local`` / ``latest_replicated`` / ``latest_remote`` move with the catalog's
+    compare-and-swap and never back to an older version."""
+    from mithril_async.catalog import RunCatalog
+    from mithril_async.layout import RunLayout
+
+    cat = RunCatalog(MemoryStore(), RunLayout("runs", "r"))
+    v3 = _sharded_manifest(2)
+    v2 = v3.model_copy(update={"version_id": "v000002", "step": 2})
+    assert asyncio.run(cat.move_alias("latest_local", v3, "runs/r/versions/v000003/m.json"))
+    assert not asyncio.run(cat.move_alias("latest_local", v2, "runs/r/versions/v000002/m.json"))
+    alias = asyncio.run(cat.read_alias("latest_local"))
+    assert alias is not None and (alias.version_id, alias.step) == ("v000003", 3)

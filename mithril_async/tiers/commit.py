@@ -1,0 +1,144 @@
+"""The local-tier commit, added to the save protocol by wrapping the manager's coordinator.
+
+The save protocol itself (:mod:`mithril_async.save.job`) is unchanged; :class:`TierCoordinator`
+wraps the usual coordinator and adds, at each step:
+
+- ``agree_version``: rank 0 claims above every version number the tiers hold
+  (:mod:`~mithril_async.tiers.numbering`).
+- ``gather_parts``: rank 0's pre-commit check asks its store for every blob's size, and the
+  blobs of ranks on other nodes lie on their own disks: the sizes those ranks reported durable
+  in this save's gather stand in for them (``NodeStore.reported``, cleared after the verdict).
+- ``broadcast_outcome``: after a committed verdict, rank 0 broadcasts the manifest and the
+  run's config file (:class:`VersionMeta`) on the save protocol's own group, and the lowest
+  rank of every node writes them into its node folder and moves ``latest_local``: the version
+  is committed on every node's folder before the save's handle resolves. Then its replication
+  and upload are queued (:mod:`~mithril_async.tiers.background`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from mithril_async.distributed import DistCoordinator
+from mithril_async.errors import KeyExists, KeyNotFound, StorageError
+from mithril_async.manifest import VersionManifest, parse_model
+from mithril_async.pipeline.coordinator import Coordinator, Outcome, RankPart
+from mithril_async.storage.base import Store
+from mithril_async.tiers.node_store import NodeStore
+from mithril_async.tiers.write_once import put_once
+
+
+@dataclass(frozen=True)
+class VersionMeta:
+    """What every node needs to commit a version locally: the manifest (and its key) and the
+    run's config file the manifest names (None if it names none)."""
+
+    manifest_key: str
+    manifest: bytes
+    config_key: str | None
+    config: bytes | None
+
+    @classmethod
+    async def read(cls, store: Store, manifest_key: str) -> VersionMeta:
+        """Rank 0, after its commit: the manifest and config file from its store."""
+        data = await store.get(manifest_key)
+        m = parse_model(VersionManifest, data, manifest_key)
+        conf = None
+        if m.config is not None:
+            with contextlib.suppress(KeyNotFound, FileNotFoundError):
+                conf = await store.get(m.config.key)
+        return cls(manifest_key, data, None if conf is None or m.config is None
+                   else m.config.key, conf)
+
+    def parsed(self) -> VersionManifest:
+        return parse_model(VersionManifest, self.manifest, self.manifest_key)
+
+
+async def write_meta(store: Store, meta: VersionMeta, tier: str) -> None:
+    """The run's config file and the version's manifest (manifest last) into ``store``. The
+    manifest is written once: another version's manifest under this number there is a
+    :class:`KeyExists` (the save's own commit on node 0 wrote these very bytes)."""
+    if meta.config_key is not None and meta.config is not None \
+            and not await store.exists(meta.config_key):
+        with contextlib.suppress(KeyExists):
+            await store.put_if_absent(meta.config_key, meta.config)
+    await put_once(store, meta.manifest_key, meta.manifest, tier)
+
+
+def part_sizes(p: RankPart) -> dict[str, int]:
+    """Every file one rank reported durable in a save's gather, with its size."""
+    out: dict[str, int] = {}
+    if p.model is not None:
+        out[p.model.key] = p.model.bytes
+    out.update({s.key: s.bytes for s in p.shards.values()})
+    if p.lossy is not None:
+        out.update({s.key: s.bytes for s in p.lossy.shards})
+    if p.rng_key is not None and p.rng_bytes is not None:
+        out[p.rng_key] = p.rng_bytes
+    return out
+
+
+class CommitHooks(Protocol):
+    """What the tier coordinator calls into (the tier layer of this process)."""
+
+    @property
+    def store(self) -> NodeStore:
+        """This node's folder, the manager's store (its ``reported`` sizes)."""
+
+    async def claim(self, claim: Callable[[], Awaitable[int]]) -> int:
+        """Rank 0's version claim (above the tiers' floor)."""
+
+    async def commit_local(self, meta: VersionMeta) -> None:
+        """Every rank, after a committed verdict: the node's commit, then the background."""
+
+
+class TierCoordinator:
+    """The manager's coordinator with the local-tier commit added (module docstring)."""
+
+    def __init__(self, inner: Coordinator, hooks: CommitHooks) -> None:
+        self.inner = inner
+        self.hooks = hooks
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+
+    async def agree_version(self, claim: Callable[[], Awaitable[int]]) -> int:
+        if self.rank == 0:
+            return await self.inner.agree_version(lambda: self.hooks.claim(claim))
+        return await self.inner.agree_version(claim)
+
+    async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
+        parts = await self.inner.gather_parts(part)
+        if parts is not None:  # rank 0: other nodes' blobs are durable on their own disks
+            reported: dict[str, int] = {}
+            for p in parts:
+                if p.error is None:
+                    reported.update(part_sizes(p))
+            self.hooks.store.reported = reported
+        return parts
+
+    async def broadcast_outcome(self, outcome: Outcome | None) -> Outcome:
+        try:
+            out = await self.inner.broadcast_outcome(outcome)
+        finally:
+            self.hooks.store.reported = {}
+        if not out.committed or out.manifest_key is None:
+            return out
+        meta: VersionMeta | str | None = None
+        if self.rank == 0:
+            try:
+                meta = await VersionMeta.read(self.hooks.store, out.manifest_key)
+            except Exception as err:  # every rank must still leave the broadcast alike
+                meta = (f"rank 0 could not read {out.manifest_key} back: "
+                        f"{type(err).__name__}: {err}")
+        if isinstance(self.inner, DistCoordinator):
+            meta = await self.inner.broadcast(meta, "tier_manifest")
+        if not isinstance(meta, VersionMeta):
+            raise StorageError(f"tier local: {meta}")
+        await self.hooks.commit_local(meta)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
