@@ -97,9 +97,16 @@ class WorkerClient:
         self._stop(kill=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
+        # the worker imports this very mithril_async (not another copy on its path)
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(package)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, env.get("PYTHONPATH", "")) if p)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mithril_async.worker", "--fd", str(theirs.fileno()),
+                # -P: the working directory is not put on the path before PYTHONPATH
+                [sys.executable, "-P", "-m", "mithril_async.worker",
+                 "--fd", str(theirs.fileno()),
                  "--nice", str(self.ctx.config.checkpointing.pipeline.background_nice)],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
                 start_new_session=False)

@@ -14,12 +14,13 @@ import os
 import signal
 import sys
 
+# the checkout under test first (not another copy of the library on the path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 import torch
 
 from mithril_async import CheckpointManager
 from mithril_async.config import config_from_dict
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.worker._state import expected, make_model
 
 scenario, runs = sys.argv[1], sys.argv[2]

@@ -89,6 +89,8 @@ def test_the_arena_hands_out_shared_buffers_another_mapping_sees() -> None:
     assert arena.locate(torch.zeros(3)) is None
     segments = arena.unsent(1)
     assert {s for s, _, _ in segments} == {at_small.segment, at_big.segment}
+    for _, fd, _ in segments:  # anonymous memory: no name anywhere to be left behind
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:mithril")
     assert arena.unsent(1) == []  # sent once per channel
     assert len(arena.unsent(2)) == 2  # a new worker gets them all again
     seen = SegmentMap()

@@ -104,7 +104,6 @@ def test_a_trainer_killed_after_save_nowait_leaves_the_worker_to_commit(
     that save, commits it, and exits; a fresh process restores it bit for bit. The trainer
     is a script without a main guard (the worker never imports it)."""
     runs = tmp_path / "runs"
-    before = set(os.listdir("/dev/shm"))
     proc = subprocess.run([sys.executable, str(HERE / "_trainer.py"), "kill-after-save",
                            str(runs)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
@@ -116,7 +115,6 @@ def test_a_trainer_killed_after_save_nowait_leaves_the_worker_to_commit(
     with CheckpointManager(_cfg(runs), {"model": fresh}) as mgr:
         assert mgr.restore_sync("latest") == 2
     assert _exact(fresh, 2)
-    assert set(os.listdir("/dev/shm")) <= before  # nothing named is left behind
 
 
 def test_a_script_without_a_main_guard_saves_through_a_worker(tmp_path: Path) -> None:
