@@ -91,6 +91,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from mithril_async.config import Config, config_from_dict
 from mithril_async.errors import StepAlreadyExists
 from mithril_async.manager import CheckpointManager
+from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.pipeline.results import SaveResult
 
 __all__ = ["MithrilTrainerCallback", "write_hf_checkpoint"]
@@ -175,8 +176,11 @@ class MithrilTrainerCallback(TrainerCallback):
                 items["optimizer"] = kwargs["optimizer"]
             if kwargs.get("lr_scheduler") is not None:
                 items["scheduler"] = kwargs["lr_scheduler"]
+            # only world process zero saves (the weights are the same on every DDP rank):
+            # its manager must not start collectives the other processes never join
             self.manager = CheckpointManager(self.make_config(args), items,
-                                             on_result=self._ended.append)
+                                             on_result=self._ended.append,
+                                             coordinator=LocalCoordinator())
             self._record_hf_files(kwargs)
         return self.manager
 
