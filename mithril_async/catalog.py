@@ -547,7 +547,10 @@ class RunCatalog:
         await self._cas("best", decide)
 
     async def move_latest(self, m: VersionManifest, key: str) -> bool:
-        """Point ``latest`` at ``m`` unless it already names a later step; return if moved."""
+        """Point ``latest`` at ``m`` unless it already names a later step, or ``m`` is held
+        (NaN/Inf, :attr:`VersionManifest.held`); return if moved."""
+        if m.held:
+            return False
         moved = False
 
         def decide(cur: AliasFile | None) -> AliasFile | None:
@@ -565,8 +568,10 @@ class RunCatalog:
 
     async def move_alias(self, name: str, m: VersionManifest, key: str) -> bool:
         """Point ``aliases/<name>.json`` at ``m`` unless it already names ``m``'s version or
-        a later one (by version number; the tier layer's ``latest_local``, ...); return
-        whether it moved. Compare-and-swap, like ``latest``."""
+        a later one (by version number; the tier layer's ``latest_local``, ...), or ``m`` is
+        held (NaN/Inf); return whether it moved. Compare-and-swap, like ``latest``."""
+        if m.held:
+            return False
         moved = False
 
         def decide(cur: AliasFile | None) -> AliasFile | None:
@@ -582,7 +587,10 @@ class RunCatalog:
 
     async def move_best(self, m: VersionManifest, key: str, metric: str | None,
                         mode: Literal["min", "max"]) -> bool:
-        """Point ``best`` at ``m`` if its metric is usable and better than the current one."""
+        """Point ``best`` at ``m`` if its metric is usable and better than the current one,
+        and ``m`` is not held (NaN/Inf)."""
+        if m.held:
+            return False
         value = m.metrics.get(metric) if metric else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             return False
@@ -605,8 +613,9 @@ class RunCatalog:
     async def repair_aliases(self, metric: str | None, mode: Literal["min", "max"]) -> bool:
         """Finish the alias moves of a writer killed between its manifest and its aliases:
         ``latest`` to the newest committed version, ``best`` to the best one. Both moves are
-        the usual monotone CAS writes, so a live writer's update is never undone."""
-        versions = await self.versions(skip_damaged=True)
+        the usual monotone CAS writes, so a live writer's update is never undone. Held
+        versions (NaN/Inf) are never alias targets."""
+        versions = [m for m in await self.versions(skip_damaged=True) if not m.held]
         if not versions:
             return False
         newest = versions[-1]
@@ -647,7 +656,8 @@ class RunCatalog:
                 versions=[VersionSummary(version_id=v.version_id, step=v.step,
                                          created_at=v.created_at, model_key=v.model.key,
                                          metrics=v.metrics,
-                                         bytes=sum(b.bytes for b in v.blobs()))
+                                         bytes=sum(b.bytes for b in v.blobs()),
+                                         held=v.held)
                           for v in versions],
             )
             try:

@@ -258,6 +258,14 @@ class CheckpointingConfig(_Strict):
     remote: RemoteConfig | None = None
     restore: RestoreConfig = Field(default_factory=lambda: RestoreConfig())
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
+    #: NaN / Inf in a floating tensor (counted as the encoder reads it): "hold" commits the
+    #: version (nothing is lost) but ``latest`` and ``best`` never move to it and a warning
+    #: names the tensors; "fail" fails the save with NonFiniteState (nothing committed);
+    #: "allow" only records the counts (the manifest's blobs, ``nonfinite``)
+    nonfinite: Literal["hold", "fail", "allow"] = "hold"
+    #: "<item>/<tensor>" globs (fnmatch, case-sensitive) of tensors whose NaN / Inf are
+    #: legitimate (an attention mask's -inf, ``"model/*attn_mask*"``): counted, never held
+    nonfinite_allow: list[str] = Field(default_factory=list)
     #: signals that become a save (mithril_async/preemption.py): the handler records one, the
     #: next ``should_save()`` returns True, and once that save is durable the signal takes
     #: its previous effect. Empty by default: a library does not change how a process reacts
@@ -290,6 +298,11 @@ class CheckpointingConfig(_Strict):
     @classmethod
     def _table_names(cls, v: list[str]) -> list[str]:
         return _no_blank(v, "table names")
+
+    @field_validator("nonfinite_allow")
+    @classmethod
+    def _allow_globs(cls, v: list[str]) -> list[str]:
+        return _no_blank(v, "nonfinite_allow patterns")
 
     @field_validator("export_hf_on_close")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
@@ -106,6 +107,28 @@ class PieceMeta(_Model):
         return self
 
 
+class NonFinite(_Model):
+    """The NaN and Inf elements of one stored tensor (or of this rank's piece of it),
+    counted on its values as the save saw them: never their XOR delta, never after lossy
+    quantisation (``[checkpointing] nonfinite``)."""
+
+    nan: int = Field(0, ge=0, le=1 << 62)
+    inf: int = Field(0, ge=0, le=1 << 62)
+    #: the tensor matches ``nonfinite_allow``: its values do not hold the version
+    allowed: bool = Field(False, exclude_if=_falsy)
+
+
+def merge_nonfinite(counts: Iterable[Mapping[str, NonFinite]]) -> dict[str, NonFinite]:
+    """Counts of the same tensor in several blobs (its pieces on several ranks) summed."""
+    out: dict[str, NonFinite] = {}
+    for blob in counts:
+        for name, c in blob.items():
+            had = out.get(name)
+            out[name] = c if had is None else NonFinite(
+                nan=had.nan + c.nan, inf=had.inf + c.inf, allowed=had.allowed and c.allowed)
+    return out
+
+
 class BlobRef(_Keyed):
     """One stored artifact: where it is, how big, its checksum and how it was made."""
 
@@ -121,6 +144,9 @@ class BlobRef(_Keyed):
     #: tensor name -> where it sits in its global tensor, for sharded state;
     #: written only when there is some, so other manifests are what they were
     pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=_falsy)
+    #: "<item>/<tensor>" -> its NaN / Inf counts, for each floating tensor of the blob that
+    #: holds any (the non-finite guard); written only when there is one
+    nonfinite: dict[str, NonFinite] = Field(default_factory=dict, exclude_if=_falsy)
 
 
 class ShardRef(BlobRef):
@@ -206,6 +232,11 @@ class VersionManifest(_Model):
     #: only when true, so lossless manifests are what they were before the lossy tier
     has_quantization: bool = Field(False, exclude_if=_falsy)
     lossy: LossyEntry | None = Field(None, exclude_if=_falsy)
+    #: a tensor holds NaN/Inf that ``nonfinite_allow`` does not allow (``nonfinite =
+    #: "hold"``): the version is committed, but ``latest`` and ``best`` (and the tiers'
+    #: ``latest_*``) never point at it; the blobs' ``nonfinite`` say which tensors. Written
+    #: only when true
+    held: bool = Field(False, exclude_if=_falsy)
 
     def blobs(self) -> list[BlobRef]:
         """Every blob this version names (model, optimizer shards, extras, lossy shards)."""
@@ -220,6 +251,11 @@ class VersionManifest(_Model):
 
     def all_keys(self) -> list[str]:
         return [b.key for b in self.blobs()] + [r.key for r in self.rng.keys]
+
+    def nonfinite_tensors(self) -> dict[str, NonFinite]:
+        """Every tensor of this version holding NaN or Inf, "<item>/<tensor>" -> its counts
+        summed over the blobs holding a piece of it (one per rank for sharded state)."""
+        return merge_nonfinite(b.nonfinite for b in self.blobs())
 
 
 class AliasFile(_Model):
@@ -250,6 +286,8 @@ class VersionSummary(_Model):
     model_key: str
     metrics: dict[str, Any] = Field(default_factory=dict)
     bytes: int = 0
+    #: the version is held (its manifest's ``held``): no alias points at it
+    held: bool = Field(False, exclude_if=_falsy)
 
 
 class RunManifest(_Model):

@@ -58,4 +58,8 @@ if __name__ == "__main__":
     built = make_builder(absolute_paths=True).compile(tmpdir=tmp, verbose=True)
     # cffi modules use the limited API; use the name setuptools gives them so a later pip build
     # replaces this file instead of being shadowed by it.
-    print(shutil.copy(built, os.path.join(root, "mithril_async", "_kernels.abi3.so")))
+    dest = os.path.join(root, "mithril_async", "_kernels.abi3.so")
+    tmp_dest = dest + ".tmp"
+    shutil.copy(built, tmp_dest)
+    os.replace(tmp_dest, dest)  # atomic: processes that loaded the old file keep its inode
+    print(dest)

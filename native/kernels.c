@@ -99,13 +99,89 @@ MK_INLINE void xf_inv(uint8_t *e, int xf) {
     }
 }
 
-/* elements [i0, n) of a grouping with plane stride n */
+/* ------------------------------------------------------------------ */
+/* non-finite elements (see kernels.h: MK_NF_*)                       */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    int width;
+    int has_inf;
+    uint64_t mask, want; /* a candidate: (bits & mask) == want */
+    uint64_t mag;        /* every bit but the sign */
+} nf_fmt;
+
+static const nf_fmt NF_FORMATS[MK_NF_FORMATS] = {
+    [MK_NF_NONE] = {0, 0, 0, 0, 0},
+    [MK_NF_FP16] = {2, 1, 0x7c00u, 0x7c00u, 0x7fffu},
+    [MK_NF_BF16] = {2, 1, 0x7f80u, 0x7f80u, 0x7fffu},
+    [MK_NF_FP32] = {4, 1, 0x7f800000u, 0x7f800000u, 0x7fffffffu},
+    [MK_NF_FP64] = {8, 1, 0x7ff0000000000000u, 0x7ff0000000000000u, 0x7fffffffffffffffu},
+    [MK_NF_E5M2] = {1, 1, 0x7cu, 0x7cu, 0x7fu},
+    [MK_NF_E4M3] = {1, 1, 0x78u, 0x78u, 0x7fu},
+    [MK_NF_E3M4] = {1, 1, 0x70u, 0x70u, 0x7fu},
+    [MK_NF_E4M3FN] = {1, 0, 0x7fu, 0x7fu, 0x7fu},
+    [MK_NF_FNUZ] = {1, 0, 0xffu, 0x80u, 0xffu},
+    [MK_NF_E8M0] = {1, 0, 0xffu, 0xffu, 0xffu},
+};
+
+/* the format of code nf; NULL for MK_NF_NONE and for codes that are none */
+static const nf_fmt *nf_format(int nf) {
+    return nf > MK_NF_NONE && nf < MK_NF_FORMATS ? &NF_FORMATS[nf] : NULL;
+}
+
+int mk_nf_width(int nf) {
+    return nf == MK_NF_NONE ? 0 : nf_format(nf) ? nf_format(nf)->width : -1;
+}
+
+MK_INLINE void nf_elem(const uint8_t *p, int w, const nf_fmt *f, uint64_t *c) {
+    uint64_t v = 0;
+    memcpy(&v, p, (size_t)w); /* little-endian element bits */
+    if ((v & f->mask) == f->want) {
+        if (f->has_inf && (v & f->mag) == f->mask) c[1]++;
+        else c[0]++;
+    }
+}
+
+MK_INLINE void nf_scan_w(const uint8_t *p, size_t n, int w, const nf_fmt *f, uint64_t *c) {
+    size_t i;
+    for (i = 0; i < n; i++) nf_elem(p + i * (size_t)w, w, f, c);
+}
+
+/* The n elements at p one by one: a SIMD loop's block that holds a candidate, or the
+ * elements no SIMD loop covered. */
+static void nf_scan(const uint8_t *p, size_t n, const nf_fmt *f, uint64_t *c) {
+    switch (f->width) {
+        case 1: nf_scan_w(p, n, 1, f, c); break;
+        case 2: nf_scan_w(p, n, 2, f, c); break;
+        case 4: nf_scan_w(p, n, 4, f, c); break;
+        default: nf_scan_w(p, n, 8, f, c); break;
+    }
+}
+
+/* x repeated over 64 bits as w-byte lanes */
+static uint64_t nf_rep(uint64_t x, int w) {
+    uint64_t out = x;
+    int k;
+    for (k = w; k < 8; k += w) out |= x << (8 * k);
+    return out;
+}
+
+/* The 64-bit lanes the SIMD loops compare with: 8-byte elements are compared as 32-bit
+ * halves, and the low half's want is all ones where its mask is zero, so only the high half
+ * (sign and exponent) can match. */
+static void nf_lanes(const nf_fmt *f, uint64_t *mask, uint64_t *want) {
+    *mask = nf_rep(f->mask, f->width);
+    *want = nf_rep(f->want, f->width) | (f->width == 8 ? 0xffffffffu : 0);
+}
+
+/* elements [i0, n) of a grouping with plane stride n (f: also count src's non-finite ones) */
 MK_INLINE void group_range_w(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
-                             size_t i0, int w, int xf) {
+                             size_t i0, int w, int xf, const nf_fmt *f, uint64_t *c) {
     size_t i;
     int k;
     for (i = i0; i < n; i++) {
         uint8_t e[8];
+        if (f) nf_elem(src + i * (size_t)w, w, f, c);
         load_elem(e, src, base, i * (size_t)w, w);
         xf_fwd(e, xf);
         for (k = 0; k < w; k++) dst[(size_t)k * n + i] = e[k];
@@ -127,17 +203,17 @@ MK_INLINE void ungroup_range_w(const uint8_t *const *pl, const uint8_t *base, ui
 
 /* constant-width instantiations so the compiler unrolls the byte loops */
 static void group_range(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t n,
-                        size_t i0, int w, int xf) {
+                        size_t i0, int w, int xf, const nf_fmt *f, uint64_t *c) {
     switch (w) {
         case 2:
-            if (xf == MK_XF_BF16) group_range_w(src, base, dst, n, i0, 2, MK_XF_BF16);
-            else group_range_w(src, base, dst, n, i0, 2, MK_XF_NONE);
+            if (xf == MK_XF_BF16) group_range_w(src, base, dst, n, i0, 2, MK_XF_BF16, f, c);
+            else group_range_w(src, base, dst, n, i0, 2, MK_XF_NONE, f, c);
             break;
         case 4:
-            if (xf == MK_XF_FP32) group_range_w(src, base, dst, n, i0, 4, MK_XF_FP32);
-            else group_range_w(src, base, dst, n, i0, 4, MK_XF_NONE);
+            if (xf == MK_XF_FP32) group_range_w(src, base, dst, n, i0, 4, MK_XF_FP32, f, c);
+            else group_range_w(src, base, dst, n, i0, 4, MK_XF_NONE, f, c);
             break;
-        default: group_range_w(src, base, dst, n, i0, 8, MK_XF_NONE); break;
+        default: group_range_w(src, base, dst, n, i0, 8, MK_XF_NONE, f, c); break;
     }
 }
 
@@ -197,6 +273,11 @@ static void copy_tail(const uint8_t *src, const uint8_t *base, uint8_t *dst, siz
 #define UNHI16 _mm_unpackhi_epi16
 #define UNLO32 _mm_unpacklo_epi32
 #define UNHI32 _mm_unpackhi_epi32
+#define CMPEQ8 _mm_cmpeq_epi8
+#define CMPEQ16 _mm_cmpeq_epi16
+#define CMPEQ32 _mm_cmpeq_epi32
+#define MOVEMASK _mm_movemask_epi8
+#define SET64(x) _mm_set1_epi64x((long long)(x))
 #include "kernels.c"
 #undef MK_SIMD_PASS
 #undef MK_TARGET
@@ -223,6 +304,11 @@ static void copy_tail(const uint8_t *src, const uint8_t *base, uint8_t *dst, siz
 #undef UNHI16
 #undef UNLO32
 #undef UNHI32
+#undef CMPEQ8
+#undef CMPEQ16
+#undef CMPEQ32
+#undef MOVEMASK
+#undef SET64
 
 /* AVX2: 32 elements per block; each register = two 128-bit halves half a block apart */
 #define MK_SIMD_PASS 2
@@ -257,6 +343,11 @@ static void copy_tail(const uint8_t *src, const uint8_t *base, uint8_t *dst, siz
 #define UNHI16 _mm256_unpackhi_epi16
 #define UNLO32 _mm256_unpacklo_epi32
 #define UNHI32 _mm256_unpackhi_epi32
+#define CMPEQ8 _mm256_cmpeq_epi8
+#define CMPEQ16 _mm256_cmpeq_epi16
+#define CMPEQ32 _mm256_cmpeq_epi32
+#define MOVEMASK _mm256_movemask_epi8
+#define SET64(x) _mm256_set1_epi64x((long long)(x))
 #include "kernels.c"
 #undef MK_SIMD_PASS
 
@@ -360,22 +451,24 @@ static void ungroup_generic(const uint8_t *const *pl, const uint8_t *base, uint8
     }
 }
 
+/* f (NULL: none): also count the non-finite elements of src into c (f's width is w) */
 static int group_any(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int w,
-                     int xf) {
+                     int xf, const nf_fmt *f, uint64_t *c) {
     size_t n, done = 0;
-    if (w < 1 || w > MK_MAX_WIDTH) return -1;
+    if (w < 1 || w > MK_MAX_WIDTH || (f && f->width != w)) return -1;
     n = len / (size_t)w;
     if (w != 2 && w != 4 && w != 8) {
+        if (f) nf_scan(src, n, f, c); /* width 1 (the codec groups no float by 1) */
         group_generic(src, base, dst, n, (size_t)w);
     } else {
 #if MK_HAVE_X86
         switch (mk_get_level()) {
-            case MK_LEVEL_AVX2: done = group_simd_avx2(src, base, dst, n, w, xf); break;
-            case MK_LEVEL_SSE2: done = group_simd_sse2(src, base, dst, n, w, xf); break;
+            case MK_LEVEL_AVX2: done = group_simd_avx2(src, base, dst, n, w, xf, f, c); break;
+            case MK_LEVEL_SSE2: done = group_simd_sse2(src, base, dst, n, w, xf, f, c); break;
             default: break;
         }
 #endif
-        group_range(src, base, dst, n, done, w, xf);
+        group_range(src, base, dst, n, done, w, xf, f, c);
     }
     copy_tail(src + n * (size_t)w, base ? base + n * (size_t)w : NULL, dst + n * (size_t)w,
               len - n * (size_t)w);
@@ -419,7 +512,7 @@ static int ungroup_buf(const uint8_t *src, const uint8_t *base, uint8_t *dst, si
 }
 
 int mk_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width) {
-    return group_any(src, base, dst, len, width, MK_XF_NONE);
+    return group_any(src, base, dst, len, width, MK_XF_NONE, NULL, NULL);
 }
 
 int mk_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width) {
@@ -431,7 +524,7 @@ static int kind_width(int kind) {
 }
 
 int mk_exp_group(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind) {
-    return group_any(src, base, dst, len, kind_width(kind), kind);
+    return group_any(src, base, dst, len, kind_width(kind), kind, NULL, NULL);
 }
 
 int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int kind) {
@@ -446,6 +539,59 @@ int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_
     if (width < 1 || width > MK_MAX_WIDTH) return -1;
     for (k = 0; k < width; k++) pl[k] = (const uint8_t *)planes[k];
     return ungroup_any(pl, tail, base, dst, len, width, kind);
+}
+
+int mk_group_count(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
+                   int kind, int nf, uint64_t *counts) {
+    const nf_fmt *f = nf_format(nf);
+    if ((nf != MK_NF_NONE && !f) || (kind != 0 && kind_width(kind) != width)) return -1;
+    return group_any(src, base, dst, len, width, kind, f, counts);
+}
+
+/* Blocks of this many bytes are counted, then copied, so the copy reads them from L1 when
+ * no SIMD loop did both at once (the scalar level, and what the SIMD loops leave over). */
+#define MK_NF_BLOCK 4096
+
+/* dst = src (or src ^ base; dst NULL: no copy), counting f's elements of src */
+static void copy_count_any(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len,
+                           const nf_fmt *f, uint64_t *c) {
+    size_t done = 0, at, n;
+#if MK_HAVE_X86
+    switch (mk_get_level()) {
+        case MK_LEVEL_AVX2: done = copy_count_avx2(src, base, dst, len, f, c); break;
+        case MK_LEVEL_SSE2: done = copy_count_sse2(src, base, dst, len, f, c); break;
+        default: break;
+    }
+#endif
+    for (at = done; at < len; at += n) {
+        n = len - at < MK_NF_BLOCK ? len - at : MK_NF_BLOCK;
+        nf_scan(src + at, n / (size_t)f->width, f, c);
+        if (dst) copy_tail(src + at, base ? base + at : NULL, dst + at, n);
+    }
+}
+
+int mk_count_nonfinite(const uint8_t *src, size_t len, int nf, uint64_t *counts) {
+    const nf_fmt *f = nf_format(nf);
+    if (nf == MK_NF_NONE) return 0;
+    if (!f) return -1;
+    copy_count_any(src, NULL, NULL, len - len % (size_t)f->width, f, counts);
+    return 0;
+}
+
+int mk_copy_count(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int nf,
+                  uint64_t *counts) {
+    const nf_fmt *f = nf_format(nf);
+    size_t whole;
+    if (nf != MK_NF_NONE && !f) return -1;
+    if (!f) {
+        if (base) mk_xor(src, base, dst, len);
+        else if (len) memmove(dst, src, len);
+        return 0;
+    }
+    whole = len - len % (size_t)f->width; /* a partial element is copied, not counted */
+    copy_count_any(src, base, dst, whole, f, counts);
+    copy_tail(src + whole, base ? base + whole : NULL, dst + whole, len - whole);
+    return 0;
 }
 
 void mk_spin_ns(uint64_t ns) {
@@ -489,12 +635,45 @@ void mk_spin_ns(uint64_t ns) {
         od = PACKUS16(SRLI16((a), 8), SRLI16((b), 8));                          \
     } while (0)
 
+/* Non-finite candidates among the w-byte lanes of v (raw element bits): all ones where
+ * (bits & m) == want (m, want: nf_lanes, as vectors). */
+MK_TARGET MK_INLINE V FN(nf_hit)(V v, V m, V want, int w) {
+    const V x = VAND(v, m);
+    return w == 1 ? CMPEQ8(x, want) : w == 2 ? CMPEQ16(x, want) : CMPEQ32(x, want);
+}
+
+/* the vectors nf_hit compares with, for format f (zero vectors when f is NULL) */
+MK_TARGET MK_INLINE void FN(nf_vecs)(const nf_fmt *f, V *m, V *want) {
+    uint64_t mm = 0, ww = 0;
+    if (f) nf_lanes(f, &mm, &ww);
+    *m = SET64(mm);
+    *want = SET64(ww);
+}
+
+/* A block of EPB elements at s whose raw vectors v[0..nv) hold a candidate is counted one
+ * element at a time (rare: finite state never gets here). */
+#define NF_BLOCK(chk, v, nv, w, s)                                                            \
+    do {                                                                                      \
+        if (chk) {                                                                            \
+            V h_ = FN(nf_hit)((v)[0], nm, nw, (w));                                           \
+            int j_;                                                                           \
+            for (j_ = 1; j_ < (nv); j_++) h_ = VOR(h_, FN(nf_hit)((v)[j_], nm, nw, (w)));     \
+            if (MOVEMASK(h_)) nf_scan((s), EPB, f, c);                                        \
+        }                                                                                     \
+    } while (0)
+
 MK_TARGET MK_INLINE size_t FN(group2_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                   size_t n, int xf) {
+                                   size_t n, int xf, int chk, const nf_fmt *f, uint64_t *c) {
     size_t i;
+    V nm, nw;
+    FN(nf_vecs)(chk ? f : NULL, &nm, &nw);
     for (i = 0; i + EPB <= n; i += EPB) {
         const uint8_t *s = src + 2 * i;
         V v0 = LD(s, 0, 2), v1 = LD(s, 1, 2), e, o;
+        {
+            const V raw[2] = {v0, v1};
+            NF_BLOCK(chk, raw, 2, 2, s);
+        }
         if (base) {
             const uint8_t *b = base + 2 * i;
             v0 = VXOR(v0, LD(b, 0, 2));
@@ -525,12 +704,18 @@ MK_TARGET MK_INLINE size_t FN(group2_i)(const uint8_t *src, const uint8_t *base,
 }
 
 MK_TARGET MK_INLINE size_t FN(group4_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                   size_t n, int xf) {
+                                   size_t n, int xf, int chk, const nf_fmt *f, uint64_t *c) {
     size_t i;
+    V nm, nw;
+    FN(nf_vecs)(chk ? f : NULL, &nm, &nw);
     for (i = 0; i + EPB <= n; i += EPB) {
         const uint8_t *s = src + 4 * i;
         V v0 = LD(s, 0, 4), v1 = LD(s, 1, 4), v2 = LD(s, 2, 4), v3 = LD(s, 3, 4);
         V e01, o01, e23, o23, p0, p1, p2, p3;
+        {
+            const V raw[4] = {v0, v1, v2, v3};
+            NF_BLOCK(chk, raw, 4, 4, s);
+        }
         if (base) {
             const uint8_t *b = base + 4 * i;
             v0 = VXOR(v0, LD(b, 0, 4));
@@ -578,12 +763,14 @@ MK_TARGET MK_INLINE size_t FN(group4_i)(const uint8_t *src, const uint8_t *base,
 }
 
 MK_TARGET MK_INLINE void FN(group8_blk)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                        size_t n, size_t i) {
+                                        size_t n, size_t i, int chk, V nm, V nw,
+                                        const nf_fmt *f, uint64_t *c) {
     {
         const uint8_t *s = src + 8 * i;
         V v[8], e[4], o[4], ee0, eo0, oe0, oo0, ee1, eo1, oe1, oo1, p[8];
         int j;
         for (j = 0; j < 8; j++) v[j] = LD(s, j, 8);
+        NF_BLOCK(chk, v, 8, 8, s);
         if (base) {
             const uint8_t *b = base + 8 * i;
             for (j = 0; j < 8; j++) v[j] = VXOR(v[j], LD(b, j, 8));
@@ -638,14 +825,17 @@ MK_TARGET MK_INLINE void FN(group8_blk)(const uint8_t *src, const uint8_t *base,
 #define MK_TILE_MAX_N ((size_t)1 << 20) /* elements: 8 MiB of input */
 #define MK_TSTRIDE (MK_TILE + 96)
 MK_TARGET MK_INLINE size_t FN(group8_i)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                        size_t n) {
+                                        size_t n, int chk, const nf_fmt *f, uint64_t *c) {
     size_t i = 0, t;
     int k;
+    V nm, nw;
+    FN(nf_vecs)(chk ? f : NULL, &nm, &nw);
     if (n >= 2 * MK_TILE && n <= MK_TILE_MAX_N && ((n & 4095) < 128 || (n & 4095) > 4096 - 128)) {
         uint8_t tmp[8 * MK_TSTRIDE];
         for (; i + MK_TILE <= n; i += MK_TILE) {
             const uint8_t *s = src + 8 * i, *b = base ? base + 8 * i : NULL;
-            for (t = 0; t < MK_TILE; t += EPB) FN(group8_blk)(s, b, tmp, MK_TSTRIDE, t);
+            for (t = 0; t < MK_TILE; t += EPB)
+                FN(group8_blk)(s, b, tmp, MK_TSTRIDE, t, chk, nm, nw, f, c);
             for (k = 0; k < 8; k++) {
                 const uint8_t *from = tmp + (size_t)k * MK_TSTRIDE;
                 uint8_t *to = dst + (size_t)k * n + i;
@@ -660,7 +850,7 @@ MK_TARGET MK_INLINE size_t FN(group8_i)(const uint8_t *src, const uint8_t *base,
             }
         }
     }
-    for (; i + EPB <= n; i += EPB) FN(group8_blk)(src, base, dst, n, i);
+    for (; i + EPB <= n; i += EPB) FN(group8_blk)(src, base, dst, n, i, chk, nm, nw, f, c);
     return i;
 }
 #undef MK_TILE
@@ -755,25 +945,29 @@ MK_TARGET MK_INLINE size_t FN(ungroup8_i)(const uint8_t *const *pl, const uint8_
     return i;
 }
 
-/* Instantiate each width with constant (base?, transform?) so the inner loops carry no
- * branches and the compiler keeps everything in registers. */
+/* Instantiate each width with constant (base?, transform?, counting?) so the inner loops
+ * carry no branches and the compiler keeps everything in registers. */
+#define BASE_AND_COUNT(call)                                                                  \
+    (base ? (f ? call(base, 1, f) : call(base, 0, NULL))                                      \
+          : (f ? call(NULL, 1, f) : call(NULL, 0, NULL)))
+#define G2X(b, k, ff) FN(group2_i)(src, b, dst, n, MK_XF_BF16, k, ff, c)
+#define G2N(b, k, ff) FN(group2_i)(src, b, dst, n, MK_XF_NONE, k, ff, c)
+#define G4X(b, k, ff) FN(group4_i)(src, b, dst, n, MK_XF_FP32, k, ff, c)
+#define G4N(b, k, ff) FN(group4_i)(src, b, dst, n, MK_XF_NONE, k, ff, c)
+#define G8N(b, k, ff) FN(group8_i)(src, b, dst, n, k, ff, c)
 MK_TARGET static size_t FN(group_simd)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
-                                       size_t n, int w, int xf) {
+                                       size_t n, int w, int xf, const nf_fmt *f, uint64_t *c) {
     switch (w) {
-        case 2:
-            if (base) return xf ? FN(group2_i)(src, base, dst, n, MK_XF_BF16)
-                                : FN(group2_i)(src, base, dst, n, MK_XF_NONE);
-            return xf ? FN(group2_i)(src, NULL, dst, n, MK_XF_BF16)
-                      : FN(group2_i)(src, NULL, dst, n, MK_XF_NONE);
-        case 4:
-            if (base) return xf ? FN(group4_i)(src, base, dst, n, MK_XF_FP32)
-                                : FN(group4_i)(src, base, dst, n, MK_XF_NONE);
-            return xf ? FN(group4_i)(src, NULL, dst, n, MK_XF_FP32)
-                      : FN(group4_i)(src, NULL, dst, n, MK_XF_NONE);
-        default:
-            return base ? FN(group8_i)(src, base, dst, n) : FN(group8_i)(src, NULL, dst, n);
+        case 2: return xf ? BASE_AND_COUNT(G2X) : BASE_AND_COUNT(G2N);
+        case 4: return xf ? BASE_AND_COUNT(G4X) : BASE_AND_COUNT(G4N);
+        default: return BASE_AND_COUNT(G8N);
     }
 }
+#undef G2X
+#undef G2N
+#undef G4X
+#undef G4N
+#undef G8N
 
 MK_TARGET static size_t FN(ungroup_simd)(const uint8_t *const *pl, const uint8_t *base,
                                          uint8_t *dst, size_t n, int w, int xf) {
@@ -810,6 +1004,49 @@ MK_TARGET static size_t FN(xor)(const uint8_t *a, const uint8_t *b, uint8_t *dst
     return i;
 }
 
+/* The identity transform with counting: blocks of 4 vectors of src checked for non-finite
+ * candidates (w-byte elements: the blocks start at element boundaries), then copied
+ * (mode 1), XORed with base (mode 2) or left (mode 0: counting only); returns the bytes
+ * done (the caller does the rest). */
+MK_TARGET MK_INLINE size_t FN(copy_count_i)(const uint8_t *src, const uint8_t *base,
+                                            uint8_t *dst, size_t len, int w, int mode,
+                                            const nf_fmt *f, uint64_t *c) {
+    const size_t vb = 16 * NLANES, step = 4 * vb;
+    size_t i;
+    V nm, nw;
+    FN(nf_vecs)(f, &nm, &nw);
+    for (i = 0; i + step <= len; i += step) {
+        V x[4];
+        int j;
+        for (j = 0; j < 4; j++) x[j] = LOADV(src + i + (size_t)j * vb);
+        {
+            V h = VOR(VOR(FN(nf_hit)(x[0], nm, nw, w), FN(nf_hit)(x[1], nm, nw, w)),
+                      VOR(FN(nf_hit)(x[2], nm, nw, w), FN(nf_hit)(x[3], nm, nw, w)));
+            if (MOVEMASK(h)) nf_scan(src + i, step / (size_t)w, f, c);
+        }
+        if (mode == 2)
+            for (j = 0; j < 4; j++) x[j] = VXOR(x[j], LOADV(base + i + (size_t)j * vb));
+        if (mode)
+            for (j = 0; j < 4; j++) STOREV(dst + i + (size_t)j * vb, x[j]);
+    }
+    return i;
+}
+
+#define CC_MODES(w)                                                                           \
+    (!dst ? FN(copy_count_i)(src, NULL, NULL, len, w, 0, f, c)                                \
+          : base ? FN(copy_count_i)(src, base, dst, len, w, 2, f, c)                          \
+                 : FN(copy_count_i)(src, NULL, dst, len, w, 1, f, c))
+MK_TARGET static size_t FN(copy_count)(const uint8_t *src, const uint8_t *base, uint8_t *dst,
+                                       size_t len, const nf_fmt *f, uint64_t *c) {
+    switch (f->width) {
+        case 1: return CC_MODES(1);
+        case 2: return CC_MODES(2);
+        case 4: return CC_MODES(4);
+        default: return CC_MODES(8);
+    }
+}
+#undef CC_MODES
+
 /* Non-temporal copy: a plain copy up to the vector boundary of dst, then aligned streaming
  * stores of 4 vectors per step; returns the bytes done (the caller copies the tail). */
 MK_TARGET static size_t FN(copy_stream)(const uint8_t *src, uint8_t *dst, size_t len) {
@@ -829,6 +1066,8 @@ MK_TARGET static size_t FN(copy_stream)(const uint8_t *src, uint8_t *dst, size_t
     return i;
 }
 
+#undef BASE_AND_COUNT
+#undef NF_BLOCK
 #undef EPB
 #undef LD
 #undef ST

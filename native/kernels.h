@@ -57,6 +57,38 @@ int mk_exp_ungroup(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t
 int mk_ungroup_planes(const uintptr_t *planes, const uint8_t *tail, const uint8_t *base,
                       uint8_t *dst, size_t len, int width, int kind);
 
+/* Non-finite values (the save's NaN/Inf guard), per float format: an element is a candidate
+ * when (bits & mask) == want; a candidate is an Inf when its format has one and its bits
+ * without the sign equal mask (exponent all ones, mantissa zero), else a NaN.  Which dtype
+ * has which format: mithril_async.codec.kernels_ref.NONFINITE_FORMATS. */
+#define MK_NF_NONE 0   /* nothing counted (integers, formats without NaN or Inf) */
+#define MK_NF_FP16 1
+#define MK_NF_BF16 2
+#define MK_NF_FP32 3
+#define MK_NF_FP64 4
+#define MK_NF_E5M2 5   /* float8_e5m2: IEEE-like, exponent bits 0x7c */
+#define MK_NF_E4M3 6   /* float8_e4m3 (ml_dtypes): IEEE-like, exponent bits 0x78 */
+#define MK_NF_E3M4 7   /* float8_e3m4 (ml_dtypes): IEEE-like, exponent bits 0x70 */
+#define MK_NF_E4M3FN 8 /* float8_e4m3fn: no Inf; NaN = S1111111 */
+#define MK_NF_FNUZ 9   /* float8_e4m3fnuz, e5m2fnuz, e4m3b11fnuz: no Inf; NaN = 0x80 only */
+#define MK_NF_E8M0 10  /* float8_e8m0fnu: no sign, no Inf; NaN = 0xff */
+#define MK_NF_FORMATS 11
+
+/* The element width of format nf (0 for MK_NF_NONE), -1 for a code that is none. */
+int mk_nf_width(int nf);
+/* counts[0] += the NaNs, counts[1] += the Infs among the len / width whole elements of
+ * format nf at src (a partial element at the end is not looked at).  0, or -1 for bad nf. */
+int mk_count_nonfinite(const uint8_t *src, size_t len, int nf, uint64_t *counts);
+/* The encoder's transforms, counting into counts (as mk_count_nonfinite) the non-finite
+ * elements of src, its own values, never their XOR with base, in the same pass over it:
+ * mk_group_count is mk_group (kind 0) or mk_exp_group (an exponent kind of that width);
+ * mk_copy_count is the identity transform (dst = src, or src ^ base when base is given).
+ * nf MK_NF_NONE counts nothing; a format whose width is not the transform's is refused (-1). */
+int mk_group_count(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
+                   int kind, int nf, uint64_t *counts);
+int mk_copy_count(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int nf,
+                  uint64_t *counts);
+
 /* Busy-waits ns nanoseconds; exported only so tests can prove the GIL is released. */
 void mk_spin_ns(uint64_t ns);
 

@@ -119,6 +119,9 @@ class EncodedChunk:
     meta: ChunkMeta
     parts: tuple[Any, ...]
     span: Any = field(default=None, compare=False, repr=False)
+    #: (NaNs, Infs) among the chunk's own values (never their XOR with a base), counted in
+    #: the transform's pass over them; (0, 0) for a dtype without NaN or Inf
+    nonfinite: tuple[int, int] = field(default=(0, 0), compare=False)
 
     @property
     def payload(self) -> bytes:
@@ -185,10 +188,15 @@ def _check_transform(meta: ChunkMeta, where: str) -> ChunkTransform:
 
 
 def transform_bytes(src: U8, transform: Transform, width: int, base: U8 | None,
-                    out: U8 | None = None) -> U8:
+                    out: U8 | None = None, tally: kernels.NonFiniteTally | None = None) -> U8:
     """The planes ``transform`` makes of ``src`` (XORed with ``base`` first when given), in
-    ``out`` when given; ``NONE`` without a base returns ``src`` itself."""
-    return transform_for(transform).forward(src, width, base, out)
+    ``out`` when given; ``NONE`` without a base returns ``src`` itself (and counts nothing
+    into ``tally``, the NaN/Inf elements of ``src`` the other transforms count)."""
+    return transform_for(transform).forward(src, width, base, out, tally)
+
+
+def _counts(tally: kernels.NonFiniteTally | None) -> tuple[int, int]:
+    return (0, 0) if tally is None else (tally.nan, tally.inf)
 
 
 def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams) -> EncodedChunk:
@@ -198,19 +206,24 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
     GIL released (``rans.encode_planes``; a plane that asks for a zstd try comes back to
     :func:`~mithril_async.codec.entropy.encode_plane`), so codec threads scale; other chunks,
     and every chunk without that native coder, go plane by plane.  Both write the same bytes.
+    The NaN/Inf elements of ``src`` are counted in the transform's (or copy's) pass over it
+    (``EncodedChunk.nonfinite``).
     """
     raw_size = src.size
     if base is not None and base.size != raw_size:
         raise ShapeMismatch(f"delta base has {base.size} bytes, chunk has {raw_size}")
     transform, width, mode = choose_transform(dtype_name, raw_size, params)
-    buf = transform_bytes(src, transform, width, base, out=_scratch("enc", raw_size))
+    tally = kernels.NonFiniteTally.of(dtype_name)
+    buf = transform_bytes(src, transform, width, base, out=_scratch("enc", raw_size),
+                          tally=tally)
     sizes = plane_sizes(transform, width, raw_size)
     tbyte = int(transform) | (DELTA_BIT if base is not None else 0)
     if mode == "float" and rans.planes_available():
         if buf is src:  # NONE without a base: the native coder compacts its planes in place
-            buf = _scratch("enc", raw_size)
-            np.copyto(buf, src)
-        return _encode_native(src, buf, sizes, tbyte, width, params)
+            buf = kernels.copy(src, _scratch("enc", raw_size), tally=tally)
+        return _encode_native(src, buf, sizes, tbyte, width, params, _counts(tally))
+    if buf is src and tally is not None:  # nothing read src yet: a pass of its own
+        kernels.count_nonfinite(src, tally)
     digest, stream = _HASHERS[CHUNK_HASH_VERSION]
     raw_xxh = digest(src.data)
     parts: list[Any] = []
@@ -230,7 +243,7 @@ def encode_chunk(src: U8, dtype_name: str, base: U8 | None, params: CodecParams)
         h.update(part)
     meta = ChunkMeta(tbyte, width, raw_size, raw_xxh, h.intdigest(), tuple(planes),
                      CHUNK_HASH_VERSION)
-    return EncodedChunk(meta, tuple(parts))
+    return EncodedChunk(meta, tuple(parts), nonfinite=_counts(tally))
 
 
 #: chunks up to this size are coded together by :func:`encode_chunks`, one native call per
@@ -246,6 +259,7 @@ def encode_chunks(items: Sequence[tuple[U8, str, U8 | None]], params: CodecParam
     same)."""
     out: list[EncodedChunk | None] = [None] * len(items)
     batch: list[tuple[int, int, int, list[int]]] = []  # index, transform byte, width, sizes
+    tallies: list[kernels.NonFiniteTally | None] = []  # per batched chunk
     total = 0
     native = rans.planes_available()
     for i, (src, dtype_name, base) in enumerate(items):
@@ -263,27 +277,30 @@ def encode_chunks(items: Sequence[tuple[U8, str, U8 | None]], params: CodecParam
         raws: list[U8] = []
         off = 0
         for i, tbyte, width, _ in batch:
-            src, _, base = items[i]
+            src, dtype_name, base = items[i]
             dst = planes[off:off + src.size]
-            got = transform_bytes(src, Transform(tbyte & ~DELTA_BIT), width, base, out=dst)
-            if got is not dst:  # NONE without a base hands back its input
-                np.copyto(dst, got)
+            tally = kernels.NonFiniteTally.of(dtype_name)
+            got = transform_bytes(src, Transform(tbyte & ~DELTA_BIT), width, base, out=dst,
+                                  tally=tally)
+            if got is src:  # NONE without a base hands back its input
+                kernels.copy(src, dst, tally=tally)
+            tallies.append(tally)
             raws.append(src)
             off += src.size
         stored, results = rans.encode_batch(
             raws, planes, [b[3] for b in batch], raw_bits=params.raw_bits,
             huff_min_bits=params.huff_min_bits, min_gain=MIN_GAIN, level=params.level)
         view = memoryview(stored)  # type: ignore[arg-type]
-        for (i, tbyte, width, sizes), (methods, lens, raw_xxh, pxxh, soff, _) in zip(
-                batch, results, strict=True):
+        for (i, tbyte, width, sizes), (methods, lens, raw_xxh, pxxh, soff, _), tally in zip(
+                batch, results, tallies, strict=True):
             out[i] = _assemble(view, soff, sizes, methods, lens, tbyte, width, raw_xxh, pxxh,
-                               params)
+                               params, _counts(tally))
     return [e for e in out if e is not None]
 
 
 def _assemble(stored: memoryview, off: int, sizes: list[int], methods: list[int],
               lens: list[int], tbyte: int, width: int, raw_xxh: int, payload_xxh: int,
-              params: CodecParams) -> EncodedChunk:
+              params: CodecParams, nonfinite: tuple[int, int]) -> EncodedChunk:
     """An :class:`EncodedChunk` from what the native coder returned for one chunk (its stored
     planes from ``stored[off:]``), coding any plane it left over (kept there as is)."""
     parts: list[Any] = []
@@ -310,17 +327,18 @@ def _assemble(stored: memoryview, off: int, sizes: list[int], methods: list[int]
         payload_xxh = h.intdigest()
     meta = ChunkMeta(tbyte, width, sum(sizes), raw_xxh, payload_xxh, tuple(meta_planes),
                      CHUNK_HASH_VERSION)
-    return EncodedChunk(meta, tuple(parts), None if left_over else stored[start:off])
+    return EncodedChunk(meta, tuple(parts), None if left_over else stored[start:off],
+                        nonfinite)
 
 
 def _encode_native(src: U8, buf: U8, sizes: list[int], tbyte: int, width: int,
-                   params: CodecParams) -> EncodedChunk:
+                   params: CodecParams, nonfinite: tuple[int, int]) -> EncodedChunk:
     """:func:`encode_chunk` of a float chunk: its planes ``buf`` coded in one native call."""
     stored, methods, lens, raw_xxh, payload_xxh = rans.encode_planes(
         src, buf, sizes, raw_bits=params.raw_bits, huff_min_bits=params.huff_min_bits,
         min_gain=MIN_GAIN, level=params.level)
     return _assemble(memoryview(stored), 0, sizes,  # type: ignore[arg-type]
-                     methods, lens, tbyte, width, raw_xxh, payload_xxh, params)
+                     methods, lens, tbyte, width, raw_xxh, payload_xxh, params, nonfinite)
 
 
 #: plane methods the native chunk decoder decodes (the others go plane by plane in Python)

@@ -23,6 +23,7 @@ import importlib
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,8 @@ from mithril_async.codec.kernels_ref import (
     KIND_PLANES,
     KIND_WIDTHS,
     MAX_WIDTH,
+    NONFINITE_FORMATS,
+    NONFINITE_SPECS,
     U8,
     WIDTHS,
     element_width,
@@ -179,19 +182,139 @@ def _pw(a: U8) -> Any:
     return _ffi.from_buffer("uint8_t[]", a, require_writable=True)
 
 
+class NonFiniteTally:
+    """The NaN and Inf elements counted by the kernels given ``tally=`` (in the same pass
+    over the bytes as their transform), for one float format: the dtype's, see
+    :meth:`of`. Counts add up over calls (one tally per tensor chunk, or per tensor)."""
+
+    __slots__ = ("_ptr", "code", "counts", "width")
+
+    def __init__(self, code: int) -> None:
+        if code not in NONFINITE_SPECS:
+            raise ValueError(f"unknown non-finite format {code!r}")
+        self.code = code
+        self.width = NONFINITE_SPECS[code][0]
+        self.counts = np.zeros(2, np.uint64)  # NaNs, Infs: the native kernels add into it
+        self._ptr: Any = None
+
+    @classmethod
+    def of(cls, dtype_name: str) -> NonFiniteTally | None:
+        """A tally for ``dtype_name`` (a stable dtype name), None for a dtype without NaN or
+        Inf (integers, bool, complex, float4)."""
+        code = NONFINITE_FORMATS.get(dtype_name)
+        return None if code is None else cls(code)
+
+    @property
+    def nan(self) -> int:
+        return int(self.counts[0])
+
+    @property
+    def inf(self) -> int:
+        return int(self.counts[1])
+
+    def add(self, nan: int, inf: int) -> None:
+        self.counts += np.array([nan, inf], np.uint64)
+
+    def fits(self, width: int, what: str) -> None:
+        """Refuse (ValueError) a transform of another element width than the format's."""
+        if width != self.width:
+            raise ValueError(f"{what}: a tally of {self.width}-byte elements cannot count "
+                             f"{width}-byte ones")
+
+    def pointer(self) -> Any:
+        """The native ``uint64_t[2]`` the kernels add into."""
+        if self._ptr is None:
+            self._ptr = _ffi.from_buffer("uint64_t[]", self.counts, require_writable=True)
+        return self._ptr
+
+    def __repr__(self) -> str:
+        return f"NonFiniteTally(code={self.code}, nan={self.nan}, inf={self.inf})"
+
+
+def _tally_ref(src: U8, tally: NonFiniteTally | None) -> None:
+    """The numpy path's count of ``src`` into ``tally`` (a pass of its own)."""
+    if tally is not None:
+        tally.add(*_ref.count_nonfinite(src, tally.code))
+
+
+def _checked(rc: int, what: str) -> None:
+    if rc != 0:  # arguments are validated first: this is a binding out of step with the C
+        raise RuntimeError(f"{what}: the native kernel refused its arguments ({rc})")
+
+
 # ---------------------------------------------------------------------------------------------
 # kernels
 
 
-def group(src: object, width: int, out: object | None = None) -> U8:
-    """Byte grouping: ``out[k*n + i] = src[i*width + k]``; the tail is copied verbatim."""
+def group(src: object, width: int, out: object | None = None, *,
+          tally: NonFiniteTally | None = None) -> U8:
+    """Byte grouping: ``out[k*n + i] = src[i*width + k]``; the tail is copied verbatim.
+    ``tally``: also count the NaN/Inf elements of ``src`` (same pass)."""
     s = _in(src, "src")
     w = element_width(width)
     o = _out(out, s.size, (s,))
+    if tally is not None:
+        tally.fits(w, "group")
     if _use_native:
-        _lib.mk_group(_p(s), _ffi.NULL, _pw(o), s.size, w)
+        if tally is None:
+            _lib.mk_group(_p(s), _ffi.NULL, _pw(o), s.size, w)
+        else:
+            _checked(_lib.mk_group_count(_p(s), _ffi.NULL, _pw(o), s.size, w, 0, tally.code,
+                                         tally.pointer()), "group")
         return o
+    _tally_ref(s, tally)
     return _ref.group(s, w, o)
+
+
+def copy(src: object, out: object | None = None, *,
+         tally: NonFiniteTally | None = None) -> U8:
+    """``out[:] = src`` (the identity transform into the codec's scratch); ``tally``: also
+    count the NaN/Inf elements of ``src`` (same pass). ``out`` must not overlap ``src``."""
+    s = _in(src, "src")
+    o = _out(out, s.size, (s,))
+    if _use_native:
+        if tally is None:
+            _lib.mk_copy_count(_p(s), _ffi.NULL, _pw(o), s.size, 0, _ffi.NULL)
+        else:
+            _checked(_lib.mk_copy_count(_p(s), _ffi.NULL, _pw(o), s.size, tally.code,
+                                        tally.pointer()), "copy")
+        return o
+    _tally_ref(s, tally)
+    return _ref.copy(s, o)
+
+
+def count_nonfinite_after(src: object, tally: NonFiniteTally,
+                          first: Callable[[memoryview], object],
+                          run_bytes: int = 256 << 10) -> NonFiniteTally:
+    """For each run of ``run_bytes`` of ``src`` (whole elements): ``first(run)`` (a hash's
+    ``update``), then count the run's NaN/Inf elements into ``tally`` while it is still in
+    the cache, so the count does not read memory again; returns ``tally``."""
+    s = _in(src, "src")
+    step = max(tally.width, run_bytes - run_bytes % tally.width)
+    mv = memoryview(s.data).cast("B")
+    if not _use_native:
+        for off in range(0, s.size, step):
+            first(mv[off:off + step])
+            _tally_ref(s[off:off + step], tally)
+        return tally
+    base, ptr, code = _p(s), tally.pointer(), tally.code
+    for off in range(0, s.size, step):
+        n = min(step, s.size - off)
+        first(mv[off:off + n])
+        _lib.mk_count_nonfinite(base + off, n, code, ptr)  # one cheap call per run
+    return tally
+
+
+def count_nonfinite(src: object, tally: NonFiniteTally) -> NonFiniteTally:
+    """Count the NaN/Inf elements of ``src`` into ``tally`` (for bytes no transform reads:
+    an uncompressed blob, the lossy tier's input); returns ``tally``."""
+    s = _in(src, "src")
+    if _use_native:
+        _checked(_lib.mk_count_nonfinite(_p(s), s.size, tally.code, tally.pointer()),
+                 "count_nonfinite")
+    else:
+        _tally_ref(s, tally)
+    return tally
 
 
 def ungroup(src: object, width: int, out: object | None = None) -> U8:
@@ -264,26 +387,42 @@ def copy_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
         ctypes.memmove(d_addr, s_addr, nb)
 
 
-def xor(a: object, b: object, out: object | None = None) -> U8:
-    """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place)."""
+def xor(a: object, b: object, out: object | None = None, *,
+        tally: NonFiniteTally | None = None) -> U8:
+    """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place). ``tally``: also
+    count the NaN/Inf elements of ``a`` (its own values, not the XOR; same pass)."""
     x, y = _in(a, "a"), _in(b, "b")
     _same_len(x, y, "b")
     o = _out(out, x.size, (x, y), alias_ok=(x, y))
     if _use_native:
-        _lib.mk_xor(_p(x), _p(y), _pw(o), x.size)
+        if tally is None:
+            _lib.mk_xor(_p(x), _p(y), _pw(o), x.size)
+        else:
+            _checked(_lib.mk_copy_count(_p(x), _p(y), _pw(o), x.size, tally.code,
+                                        tally.pointer()), "xor")
         return o
+    _tally_ref(x, tally)
     return _ref.xor(x, y, o)
 
 
-def xor_group(a: object, base: object, width: int, out: object | None = None) -> U8:
-    """Fused ``group(a ^ base, width)``: the XOR delta never materialises in memory."""
+def xor_group(a: object, base: object, width: int, out: object | None = None, *,
+              tally: NonFiniteTally | None = None) -> U8:
+    """Fused ``group(a ^ base, width)``: the XOR delta never materialises in memory.
+    ``tally``: also count the NaN/Inf elements of ``a`` (not of the XOR; same pass)."""
     x, b = _in(a, "a"), _in(base, "base")
     _same_len(x, b, "base")
     w = element_width(width)
     o = _out(out, x.size, (x, b))
+    if tally is not None:
+        tally.fits(w, "xor_group")
     if _use_native:
-        _lib.mk_group(_p(x), _p(b), _pw(o), x.size, w)
+        if tally is None:
+            _lib.mk_group(_p(x), _p(b), _pw(o), x.size, w)
+        else:
+            _checked(_lib.mk_group_count(_p(x), _p(b), _pw(o), x.size, w, 0, tally.code,
+                                         tally.pointer()), "xor_group")
         return o
+    _tally_ref(x, tally)
     return _ref.xor_group(x, b, w, o)
 
 
@@ -299,11 +438,13 @@ def ungroup_xor(src: object, base: object, width: int, out: object | None = None
     return _ref.ungroup_xor(s, b, w, o)
 
 
-def exp_group(src: object, kind: str, base: object | None = None, out: object | None = None) -> U8:
+def exp_group(src: object, kind: str, base: object | None = None, out: object | None = None,
+              *, tally: NonFiniteTally | None = None) -> U8:
     """Exponent-plane grouping of ``src ^ base`` for ``kind`` in bf16/fp32 (fp16: plain group).
 
     The exponent byte of a float compresses well while the sign bit is noise, so splitting them
     into separate planes (ZipNN) helps zstd.  ``base`` is XORed in the original element layout.
+    ``tally``: also count the NaN/Inf elements of ``src`` (not of the XOR; same pass).
     """
     s = _in(src, "src")
     k = _kind(kind)
@@ -311,13 +452,20 @@ def exp_group(src: object, kind: str, base: object | None = None, out: object | 
     if b is not None:
         _same_len(s, b, "base")
     o = _out(out, s.size, (s,) if b is None else (s, b))
+    if tally is not None:
+        tally.fits(KIND_WIDTHS[k], "exp_group")
     if _use_native:
         pb = _ffi.NULL if b is None else _p(b)
-        if k == "fp16":
+        code = 0 if k == "fp16" else KIND_CODES[k]
+        if tally is not None:
+            _checked(_lib.mk_group_count(_p(s), pb, _pw(o), s.size, KIND_WIDTHS[k], code,
+                                         tally.code, tally.pointer()), "exp_group")
+        elif k == "fp16":
             _lib.mk_group(_p(s), pb, _pw(o), s.size, 2)
         else:
             _lib.mk_exp_group(_p(s), pb, _pw(o), s.size, KIND_CODES[k])
         return o
+    _tally_ref(s, tally)
     return _ref.exp_group(s, k, b, o)
 
 
@@ -368,11 +516,16 @@ __all__ = [
     "KIND_WIDTHS",
     "LEVELS",
     "MAX_WIDTH",
+    "NONFINITE_FORMATS",
     "WIDTHS",
+    "NonFiniteTally",
     "available_backends",
+    "copy",
     "copy_arrays",
     "copy_batch",
     "copy_stream",
+    "count_nonfinite",
+    "count_nonfinite_after",
     "element_width",
     "exp_group",
     "exp_ungroup",

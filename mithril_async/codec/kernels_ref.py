@@ -16,6 +16,11 @@ Layouts (``n = len(src) // w`` elements, ``t = len(src) % w`` tail bytes):
 * A ``base`` is always XORed in the original element layout:
   ``xor_group(a, base, w) == group(a ^ base, w)`` and
   ``ungroup_xor(g, base, w) == ungroup(g, w) ^ base``.
+* ``count_nonfinite(src, code)``: the NaN and Inf elements of ``src`` in the float format
+  ``code`` (:data:`NONFINITE_FORMATS`), from the bits alone: an element is a candidate when
+  ``bits & mask == want``; a candidate is an Inf when its format has Inf and its bits
+  without the sign are ``mask`` (exponent all ones, mantissa zero), else a NaN.  The native
+  transforms count the same way while they transform (``tally=``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,28 @@ KIND_PLANES: dict[str, tuple[str, ...]] = {
     "bf16": ("exponent", "sign_mantissa"),
     "fp16": ("byte0", "byte1"),
     "fp32": ("exponent", "sign_mantissa_hi", "mantissa_mid", "mantissa_lo"),
+}
+
+
+#: NaN/Inf formats (native/kernels.h MK_NF_*): code -> (element width, mask, want, has Inf)
+NONFINITE_SPECS: dict[int, tuple[int, int, int, bool]] = {
+    1: (2, 0x7C00, 0x7C00, True),  # float16
+    2: (2, 0x7F80, 0x7F80, True),  # bfloat16
+    3: (4, 0x7F800000, 0x7F800000, True),  # float32
+    4: (8, 0x7FF0000000000000, 0x7FF0000000000000, True),  # float64
+    5: (1, 0x7C, 0x7C, True),  # float8_e5m2
+    6: (1, 0x78, 0x78, True),  # float8_e4m3 (IEEE-like)
+    7: (1, 0x70, 0x70, True),  # float8_e3m4
+    8: (1, 0x7F, 0x7F, False),  # float8_e4m3fn: NaN = S1111111, no Inf
+    9: (1, 0xFF, 0x80, False),  # *fnuz: NaN = 0x80 only, no Inf
+    10: (1, 0xFF, 0xFF, False),  # float8_e8m0fnu: NaN = 0xff, no sign, no Inf
+}
+#: the NaN/Inf format of every dtype that has NaN or Inf, by stable dtype name (complex
+#: dtypes and float4_e2m1fn_x2, which has neither, are not counted)
+NONFINITE_FORMATS: dict[str, int] = {
+    "float16": 1, "bfloat16": 2, "float32": 3, "float64": 4, "float8_e5m2": 5,
+    "float8_e4m3": 6, "float8_e3m4": 7, "float8_e4m3fn": 8, "float8_e4m3fnuz": 9,
+    "float8_e5m2fnuz": 9, "float8_e4m3b11fnuz": 9, "float8_e8m0fnu": 10,
 }
 
 
@@ -183,12 +210,30 @@ def exp_ungroup(
     return _finish(_xor_base(np.concatenate([body, tail]), base), out)
 
 
+def count_nonfinite(src: object, code: int) -> tuple[int, int]:
+    """``(NaNs, Infs)`` among the whole elements of format ``code`` in ``src`` (a partial
+    element at the end is not looked at)."""
+    width, mask, want, has_inf = NONFINITE_SPECS[code]
+    s = _u8(src)
+    n = s.size // width
+    bits = s[: n * width].view(f"<u{width}")
+    cand = (bits & np.array(mask, bits.dtype)) == np.array(want, bits.dtype)
+    inf = 0
+    if has_inf:
+        mag = np.array((1 << (8 * width - 1)) - 1, bits.dtype)
+        inf = int(np.count_nonzero(cand & ((bits & mag) == np.array(mask, bits.dtype))))
+    return int(np.count_nonzero(cand)) - inf, inf
+
+
 __all__ = [
     "KIND_PLANES",
     "KIND_WIDTHS",
     "MAX_WIDTH",
-    "copy",
+    "NONFINITE_FORMATS",
+    "NONFINITE_SPECS",
     "WIDTHS",
+    "copy",
+    "count_nonfinite",
     "element_width",
     "exp_group",
     "exp_ungroup",

@@ -79,7 +79,10 @@ async def describe_version(target: Any, run_id: str, version: str | None,
     key = await resolve_version(target, run_id, version)
     m = await cat.read_manifest(key)
     doc: dict[str, Any] = {"run_id": run_id, "manifest_key": key,
-                           "manifest": m.model_dump(mode="json"), "blobs": []}
+                           "manifest": m.model_dump(mode="json"), "blobs": [],
+                           "held": m.held,
+                           "nonfinite": {n: c.model_dump(mode="json") for n, c in
+                                         sorted(m.nonfinite_tensors().items())}}
     for ref in m.blobs():
         entry: dict[str, Any] = {"key": ref.key, "format": ref.format, "bytes": ref.bytes,
                                  "raw_bytes": ref.raw_bytes,
@@ -143,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     if m["metrics"]:
         print("metrics: " + ", ".join(f"{k}={v}" for k, v in m["metrics"].items()))
     print("compression: " + ", ".join(f"{k}={v}" for k, v in m["compression"].items()))
+    if doc["held"]:
+        print("HELD: holds NaN/Inf (nonfinite = \"hold\"): latest and best never point here")
+    for name, c in doc["nonfinite"].items():
+        print(f"non-finite: {name}: {c['nan']} NaN, {c['inf']} Inf"
+              + (" (allowed)" if c.get("allowed") else ""))
     for b in doc["blobs"]:
         r = b["ratio"]
         print(f"\n{b['key']} ({b['format']}, {human(b['bytes'])}"

@@ -1,4 +1,5 @@
-"""``mithril ls RUNS``: runs, their versions, steps, sizes, compression ratios and aliases."""
+"""``mithril ls RUNS``: runs, their versions, steps, sizes, compression ratios and aliases;
+versions held for NaN/Inf (``nonfinite = "hold"``) say so."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ async def collect(target: Target) -> list[dict[str, Any]]:
                 "ratio": ratio(raw, stored), "metrics": m.metrics,
                 "world_size": m.world_size,
                 "aliases": [n for n, v in aliases.items() if v == m.version_id],
+                "held": m.held,
             })
         runs.append({"run_id": run_id, "aliases": aliases, "versions": versions,
                      "unfinished": sorted(n for n, ok in nums.items() if not ok),
@@ -63,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         print(f"run {r['run_id']}: {len(r['versions'])} version(s), {human(r['bytes'])}"
               + (f", {len(r['unfinished'])} unfinished" if r["unfinished"] else ""))
-        rows = [["VERSION", "STEP", "SIZE", "RAW", "RATIO", "ALIASES", "CREATED"]]
+        rows = [["VERSION", "STEP", "SIZE", "RAW", "RATIO", "ALIASES", "CREATED", "NOTE"]]
         for v in r["versions"]:
             rows.append([v["version_id"], str(v["step"]), human(v["bytes"]),
                          human(v["raw_bytes"]), f"{v['ratio']:.2f}x" if v["ratio"] else "-",
-                         ",".join(v["aliases"]), v["created_at"][:19]])
+                         ",".join(v["aliases"]), v["created_at"][:19],
+                         "held: NaN/Inf" if v["held"] else ""])
         if len(rows) > 1:
             table(rows)
     return 0

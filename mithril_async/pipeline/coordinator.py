@@ -50,6 +50,12 @@ class Outcome(BaseModel):
     failed_rank: int | None = None
     #: the version's claim is no longer rank 0's: no rank may delete what is in its folder
     claim_lost: bool = False
+    #: tensors of the version (every rank's) holding NaN/Inf that ``nonfinite_allow`` does
+    #: not allow, "<item>/<tensor>" -> (NaNs, Infs); on a version not committed, they are
+    #: why (``nonfinite = "fail"``)
+    nonfinite: dict[str, tuple[int, int]] = Field(default_factory=dict)
+    #: committed but held (``nonfinite = "hold"``): no alias moved to it
+    held: bool = False
 
 
 class Coordinator(Protocol):

@@ -39,6 +39,12 @@ class SaveResult:
     #: :class:`~mithril_async.tiers.results.TierResult`, typed Any here: the pipeline does not
     #: import the tier layer built on it (tests/test_layering.py)
     tiers: Any = None
+    #: the non-finite guard: tensors of this version (every rank's) holding NaN or Inf that
+    #: ``nonfinite_allow`` does not allow, ``"<item>/<tensor>"`` -> (NaNs, Infs); empty when
+    #: none did
+    nonfinite: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: committed but held (``nonfinite = "hold"``): ``latest`` and ``best`` did not move to it
+    held: bool = False
 
     @property
     def ratio(self) -> float:
@@ -54,7 +60,8 @@ class SaveResult:
                 f"stall {(self.stall_s + self.step_wait_s) * 1e3:8.1f} ms  "
                 f"total {self.total_s:7.3f} s  "
                 f"{self.bytes_in / 1e6:9.2f} MB -> {self.bytes_out / 1e6:9.2f} MB  "
-                f"ratio {self.ratio:5.2f}x  {self.mb_s:8.1f} MB/s")
+                f"ratio {self.ratio:5.2f}x  {self.mb_s:8.1f} MB/s"
+                + ("  held: NaN/Inf" if self.held else ""))
 
 
 @dataclass

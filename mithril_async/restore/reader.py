@@ -195,6 +195,8 @@ class VersionReader:
             if (m.step >= bad_step if bad_step is not None
                     else version_number(m.version_id) >= version_number(bad_vid)):
                 continue
+            if m.held:  # NaN/Inf: only ever restored by its own id
+                continue
             cand = self.catalog.layout.manifest_key(version_number(m.version_id))
             again = Progress()
             try:

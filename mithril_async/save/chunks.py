@@ -160,7 +160,8 @@ class ChunkRun:
                                None if base is None else base[off:off + n], self.params)
             if lease is not None:  # a plane stored raw may be a view of the slot
                 enc = EncodedChunk(enc.meta, tuple(
-                    p.tobytes() if isinstance(p, np.ndarray) else p for p in enc.parts))
+                    p.tobytes() if isinstance(p, np.ndarray) else p for p in enc.parts),
+                    nonfinite=enc.nonfinite)
             return enc
         finally:
             if lease is not None:  # encoded: the slot may take the next chunk

@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 
 from mithril_async.claims import Claim, heartbeat_interval
-from mithril_async.errors import ClaimLost, KeyNotFound, MissingPrevious
+from mithril_async.errors import ClaimLost, KeyNotFound, MissingPrevious, NonFiniteState
 from mithril_async.manifest import (
     BlobRef,
     OptimizerEntry,
@@ -39,6 +39,7 @@ from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import apply_retention
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import depends_on
+from mithril_async.save.nonfinite import blocking, describe, failure
 
 __all__ = ["VersionCommit"]
 
@@ -78,8 +79,14 @@ class VersionCommit:
             return Outcome(committed=False, failed_rank=bad[0].rank,
                            error=f"rank {bad[0].rank} failed: {bad[0].error}"), None
         key = self.ctx.layout.manifest_key(number)
+        mode = self.ctx.config.checkpointing.nonfinite
         try:
             manifest = await self._build_manifest(number, res, parts, metrics)
+            blocked = blocking(manifest.blobs())  # every rank's NaN/Inf not allowed
+            if blocked and mode == "fail":
+                raise failure(res.step, blocked)
+            if blocked and mode == "hold":
+                manifest = manifest.model_copy(update={"held": True})
             await self._check_before_commit(manifest, parts)
             await self.ctx.store.put_if_absent(key, dump_model(manifest))
         except Exception as err:
@@ -91,8 +98,15 @@ class VersionCommit:
                     self.ctx.lossy.reset()
             return Outcome(committed=False, failed_rank=0,
                            error=f"rank 0 could not commit {key}: {type(err).__name__}: {err}",
-                           claim_lost=self.claim is not None and self.claim.lost), None
-        return Outcome(committed=True, manifest_key=key), manifest
+                           claim_lost=self.claim is not None and self.claim.lost,
+                           nonfinite=err.tensors if isinstance(err, NonFiniteState) else {}
+                           ), None
+        if manifest.held:
+            log.warning("%s (step %d) holds NaN/Inf (%s): it is committed, but latest and "
+                        "best do not move to it (restore it by its id)", manifest.version_id,
+                        manifest.step, describe(blocked))
+        return Outcome(committed=True, manifest_key=key, nonfinite=blocked,
+                       held=manifest.held), manifest
 
     async def _check_before_commit(self, manifest: VersionManifest,
                                    parts: list[RankPart]) -> None:

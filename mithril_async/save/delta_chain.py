@@ -63,6 +63,9 @@ class ItemChain:
     chain_len: int = 0
     #: tensors of the base with a full copy somewhere (dedup targets)
     phys: dict[str, TensorRef] = field(default_factory=dict)
+    #: (NaNs, Infs) of the base's tensors that hold any: a tensor referenced instead of
+    #: stored again keeps them
+    nonfinite: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.areas:
@@ -79,6 +82,7 @@ class ItemChain:
         """Forget the base (after a restore): the next version is a keyframe."""
         self.base_idx, self.base_blob, self.chain_len = None, None, 0
         self.phys = {}
+        self.nonfinite = {}
 
     def release(self) -> None:
         for a in self.areas:
@@ -114,6 +118,8 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
             braw = _raw(b)
             if pol.dedup and name in chain.phys and np.array_equal(raw, braw):
                 plan.refs[name] = chain.phys[name]
+                if name in chain.nonfinite:
+                    plan.nonfinite[name] = chain.nonfinite[name]
                 continue
             if not keyframe and delta_pays(raw, braw, dtype_name(t), t.element_size(),
                                            params, pol.min_gain):
@@ -138,8 +144,10 @@ def depends_on(blobs: Iterable[BlobRef]) -> list[BaseRef]:
 
 
 def commit_item(chain: ItemChain, written_idx: int, version_id: str, ref: BlobRef,
-                plan: EncodePlan, hashes: dict[str, int], names: list[str]) -> None:
-    """Make the just-committed snapshot the base of the next version.
+                plan: EncodePlan, hashes: dict[str, int], names: list[str],
+                nonfinite: dict[str, tuple[int, int]] | None = None) -> None:
+    """Make the just-committed snapshot the base of the next version (``nonfinite``: the
+    NaN/Inf counts of its tensors that hold any).
 
     Under ``delta_base = "keyframe"`` a version coded against the base (deltas, references)
     leaves the keyframe as the base; only a keyframe replaces it.
@@ -156,6 +164,7 @@ def commit_item(chain: ItemChain, written_idx: int, version_id: str, ref: BlobRe
         elif name in hashes:
             phys[name] = TensorRef(holder, name, hashes[name])
     chain.phys = phys
+    chain.nonfinite = dict(nonfinite or {})
     chain.chain_len = chain.chain_len + 1 if plan.base_views else 1
     chain.base_blob = holder
     chain.base_idx = written_idx if len(chain.areas) > 1 else None

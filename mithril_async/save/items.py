@@ -26,6 +26,8 @@ class EncodePlan:
     base: BaseRef | None = None
     base_views: dict[str, U8] = field(default_factory=dict)
     refs: dict[str, TensorRef] = field(default_factory=dict)
+    #: (NaNs, Infs) of referenced tensors that hold any: the base's, as they are its bytes
+    nonfinite: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -35,11 +35,11 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import xxhash
 
-from mithril_async.errors import DistributedError
+from mithril_async.errors import DistributedError, NonFiniteState
 from mithril_async.manifest import BaseRef, BlobRef, ShardRef, VersionManifest, version_id
 from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.loop import all_or_first_error
@@ -49,6 +49,7 @@ from mithril_async.save.commit import VersionCommit
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ItemChain, commit_item, depends_on, plan_item
 from mithril_async.save.items import EncodePlan, StagedItem
+from mithril_async.save.nonfinite import count_tensors, mark_allowed
 from mithril_async.save.overlap import StepGuard
 from mithril_async.save.snapshot import StateSnapshot
 from mithril_async.save.staging import Snapshot
@@ -57,8 +58,12 @@ __all__ = ["SaveJob"]
 
 log = logging.getLogger("mithril_async")
 
-#: chain bookkeeping applied after a commit: chain, buffer set, blob, plan, hashes, names
-_ChainUpdate = tuple[ItemChain, int, BlobRef, EncodePlan, dict[str, int], list[str]]
+_Ref = TypeVar("_Ref", bound=BlobRef)
+
+#: chain bookkeeping applied after a commit: chain, buffer set, blob, plan, hashes, names,
+#: NaN/Inf counts by tensor name
+_ChainUpdate = tuple[ItemChain, int, BlobRef, EncodePlan, dict[str, int], list[str],
+                     dict[str, tuple[int, int]]]
 
 
 class SaveJob:
@@ -73,6 +78,8 @@ class SaveJob:
         self.version = VersionCommit(ctx)
         self.result: SaveResult | None = None
         self._metrics: dict[str, Any] = {}
+        #: the lossy tier stored NaN/Inf tensors exactly: its chain restarts after this save
+        self._lossy_restart = False
 
     # ------------------------------------------------------------ on the caller's thread
     def snapshot(self, defer: frozenset[int], guard: StepGuard | None) -> list[Snapshot]:
@@ -133,6 +140,7 @@ class SaveJob:
         number = await agree  # every rank takes part; its failure fails the save
         res.version_id = version_id(number)
         outcome, manifest = await self._decide(number, res, part)
+        res.nonfinite, res.held = dict(outcome.nonfinite), outcome.held
         if not outcome.committed:
             await self._failed(number, res, outcome, local_err)
         await self._committed(number, res, part, updates, outcome, manifest)
@@ -207,7 +215,10 @@ class SaveJob:
         if not outcome.claim_lost:  # a lost claim's folder may be another writer's now
             await asyncio.shield(ctx.discard(number))
         local_err = local_err or self.version.error
-        if local_err is not None and ctx.world_size == 1:
+        if outcome.nonfinite and local_err is None:  # refused for NaN/Inf: the same error
+            local_err = NonFiniteState(outcome.error or "NaN/Inf", outcome.nonfinite)
+        if local_err is not None and (ctx.world_size == 1
+                                      or isinstance(local_err, NonFiniteState)):
             raise local_err
         raise DistributedError(outcome.error or "save failed")
 
@@ -218,12 +229,14 @@ class SaveJob:
         ctx = self.ctx
         if ctx.steps is not None:
             ctx.steps.add(res.step)
-        for chain, idx, ref, plan, hashes, names in updates:
-            commit_item(chain, idx, version_id(number), ref, plan, hashes, names)
+        for chain, idx, ref, plan, hashes, names, counts in updates:
+            commit_item(chain, idx, version_id(number), ref, plan, hashes, names, counts)
         if ctx.lossy is not None and part.lossy is not None:
             mine = part.lossy.shards[0]
             ctx.lossy.commit(BaseRef(version_id=version_id(number), key=mine.key,
                                      xxh64=mine.xxh64))
+            if self._lossy_restart:  # its reconstruction holds NaN/Inf: no delta base
+                ctx.lossy.reset()
         if manifest is not None:
             await self.version.after_commit(manifest, outcome.manifest_key or "")
         res.status = "committed"
@@ -291,9 +304,21 @@ class SaveJob:
             chain.reset()
             plan, hashes = await loop.run_in_executor(ctx.pool, plan_item, chain, item.tensors)
             ref = await ctx.encoder.write(ctx.store, ref.key, item, step=res.step, plan=plan)
+        ref = self._allowed(ref)
         if item.stream is None:  # a streamed keyframe leaves no base behind
-            updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors)))
+            prefix = f"{item.name}/"
+            counts = {full.removeprefix(prefix): (c.nan, c.inf)
+                      for full, c in ref.nonfinite.items()}
+            updates.append((chain, item.area_idx, ref, plan, hashes, list(item.tensors),
+                            counts))
         return item, ref
+
+    def _allowed(self, ref: _Ref) -> _Ref:
+        """``ref`` with its NaN/Inf counts of tensors ``nonfinite_allow`` matches marked."""
+        if not ref.nonfinite:
+            return ref
+        return ref.model_copy(update={"nonfinite": mark_allowed(
+            ref.nonfinite, self.ctx.config.checkpointing.nonfinite_allow)})
 
     def _rng_file(self, part: RankPart, res: SaveResult) -> bytes:
         """This rank's RNG file: RNG states and the JSON states (``exact`` says whether
@@ -346,10 +371,20 @@ class SaveJob:
                             "save is lossless", ctx.rank)
             return items
         loop = asyncio.get_running_loop()
+        # NaN/Inf of the values themselves, before they are quantised
+        counts = await loop.run_in_executor(ctx.pool, count_tensors, lossy_state)
+        if counts:  # NaN/Inf cannot be quantised: those groups are stored exactly
+            bad = {roles[n][0] for n in counts}
+            roles = {n: r for n, r in roles.items() if r[0] not in bad}
+            self._lossy_restart = True
+            log.warning("rank %d: NaN/Inf in lossy tensors (%s): stored exactly in this "
+                        "version, and the lossy chain restarts at the next one", ctx.rank,
+                        ", ".join(sorted(counts)))
         ckpt = await loop.run_in_executor(ctx.pool, ctx.lossy.encode, lossy_state, roles)
         shard = await write_lossy(ctx.store, ctx.layout.lossy_key(number, ctx.rank), ckpt,
                                   ctx.lossy.base, ctx.rank, ctx.pool,
                                   ctx.config.checkpointing.lossy.level)
+        shard = self._allowed(shard.model_copy(update={"nonfinite": counts}))
         part.lossy = ctx.lossy.entry(ckpt, shard)
         part.bytes_in += shard.raw_bytes
         part.bytes_out += shard.bytes

@@ -26,6 +26,7 @@ from typing import Any
 
 import xxhash
 
+from mithril_async.codec import kernels as K
 from mithril_async.codec.chunk import CodecParams, EncodedChunk
 from mithril_async.codec.container import MckpWriter, TensorEntry
 from mithril_async.codec.dtypes import tensor_bytes
@@ -38,6 +39,7 @@ from mithril_async.pipeline.loop import lower_priority
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.save.chunks import ChunkJob, ChunkRun, batch_jobs
 from mithril_async.save.items import U8, EncodePlan, StagedItem
+from mithril_async.save.nonfinite import named
 from mithril_async.save.stream import StreamedTensor
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.deferred import DeferredWriter
@@ -49,6 +51,19 @@ MIN_AUTO_CHUNK = 1 << 20
 #: pieces of an uncompressed blob smaller than this are hashed on the event loop's thread
 #: (a hop to a pool thread costs more than hashing them)
 _INLINE_HASH_BYTES = 256 << 10
+
+#: per tensor of a blob: its (NaNs, Infs), filled in as the blob is written
+Tallies = dict[str, list[int]]
+
+
+def _hash_and_count(h: xxhash.xxh64, piece: memoryview, tally: K.NonFiniteTally | None
+                    ) -> None:
+    """Hash ``piece`` into ``h`` and count its NaN/Inf elements into ``tally`` (an element
+    aligned piece), a cache-sized run at a time: the count reads what the hash just read."""
+    if tally is None:
+        h.update(piece)
+    else:
+        K.count_nonfinite_after(piece, tally, h.update)
 
 
 class BlobEncoder:
@@ -134,21 +149,25 @@ class BlobEncoder:
                               DeferredWriter(store, key, limit=self.budget.deferred_limit(blob)))
         # what the writer may buffer, held from the budget while the blob is written
         hold = self.budget.writer_hold(blob, key_known=isinstance(key, str))
+        tallies: Tallies = {}
         try:
             if self.comp.enabled:
-                digest = await self._write_mckp(writer, item, step, plan, hold)
+                digest = await self._write_mckp(writer, item, step, plan, hold, tallies)
                 fmt = "mckp"
             else:
-                digest = await self._write_safetensors(writer, item, hold)
+                digest = await self._write_safetensors(writer, item, hold, tallies)
                 fmt = "safetensors"
             size = await writer.commit()
         except BaseException:
             await asyncio.shield(writer.abort())
             raise
         holders = {(r.holder.key, r.holder.xxh64): r.holder for r in plan.refs.values()}
+        # referenced tensors are the base's bytes: they keep the base's counts
+        counted = {**tallies, **{n: list(c) for n, c in plan.nonfinite.items()}}
         return BlobRef(key=writer.key, bytes=size, xxh64=digest, format=fmt,
                        raw_bytes=item.nbytes, base=plan.base if plan.base_views else None,
-                       refs=sorted(holders.values(), key=lambda b: b.key))
+                       refs=sorted(holders.values(), key=lambda b: b.key),
+                       nonfinite=named(item.name, counted))
 
     def _metadata(self, item: StagedItem, plan: EncodePlan | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {SKELETON_KEY: json.dumps(item.skeleton, separators=(",", ":")),
@@ -157,57 +176,68 @@ class BlobEncoder:
             meta[REFS_KEY] = {name: r.to_json() for name, r in plan.refs.items()}
         return meta
 
-    async def _write_safetensors(self, writer: BlobWriter, item: StagedItem, hold: int) -> str:
+    async def _write_safetensors(self, writer: BlobWriter, item: StagedItem, hold: int,
+                                 tallies: Tallies) -> str:
         header = safetensors_header(item.tensors, self._metadata(item))
         admit = self.budget.header_admission(hold, len(header))
         await self.memory.acquire(admit, f"{item.name}: its blob header "
                                   f"({len(header)} bytes) and write buffers")
         try:
-            return await self._safetensors_body(writer, item, header)
+            return await self._safetensors_body(writer, item, header, tallies)
         finally:
             self.memory.release(admit)
 
     async def _safetensors_body(self, writer: BlobWriter, item: StagedItem,
-                                header: bytes) -> str:
+                                header: bytes, tallies: Tallies) -> str:
         h = xxhash.xxh64()
         h.update(header)
         await writer.write(header)
         loop = asyncio.get_running_loop()
         step = self.params.chunk_bytes
         if item.stream is not None:
-            await self._stream_safetensors(writer, item, h)
+            await self._stream_safetensors(writer, item, h, tallies)
             return h.hexdigest()
-        for t in item.tensors.values():
-            view, _, _ = tensor_bytes(t)
-            for off in range(0, view.size, step):
-                piece = memoryview(view[off:off + step].data)
+        for name, t in item.tensors.items():
+            view, dtype, _ = tensor_bytes(t)
+            tally = K.NonFiniteTally.of(dtype)
+            n = step - step % tally.width if tally is not None else step  # whole elements
+            for off in range(0, view.size, n):
+                piece = memoryview(view[off:off + n].data)
                 if piece.nbytes < _INLINE_HASH_BYTES:
-                    h.update(piece)
+                    _hash_and_count(h, piece, tally)
                     await writer.write(piece)
                 else:  # hash on the pool while the writer writes the same bytes
-                    await asyncio.gather(loop.run_in_executor(self.pool, h.update, piece),
-                                         writer.write(piece))
+                    await asyncio.gather(
+                        loop.run_in_executor(self.pool, _hash_and_count, h, piece, tally),
+                        writer.write(piece))
+            if tally is not None:
+                tallies[name] = [tally.nan, tally.inf]
         return h.hexdigest()
 
     async def _stream_safetensors(self, writer: BlobWriter, item: StagedItem,
-                                  h: xxhash.xxh64) -> None:
+                                  h: xxhash.xxh64, tallies: Tallies) -> None:
         """The tensor bytes of a streamed item, in file order, each piece copied out into a
-        ring slot, hashed and written before the slot is reused."""
+        ring slot, hashed (and its NaN/Inf counted) and written before the slot is reused."""
         assert item.stream is not None and item.ring is not None
         loop = asyncio.get_running_loop()
-        step = min(self.params.chunk_bytes, item.ring.slot_bytes)
         for name in item.tensors:
             st = item.stream[name]
+            tally = K.NonFiniteTally.of(st.dtype)
+            step = min(self.params.chunk_bytes, item.ring.slot_bytes)
+            if tally is not None:
+                step -= step % tally.width  # pieces of whole elements
             for off in range(0, st.nbytes, step):
                 n = min(step, st.nbytes - off)
                 lease = await item.ring.acquire(st.later)
                 try:
                     pool = self._lanes or self.pool
                     piece = (await loop.run_in_executor(pool, st.fetch, lease, off, n)).data
-                    await loop.run_in_executor(pool, h.update, piece)
+                    await loop.run_in_executor(pool, _hash_and_count, h, piece, tally)
                     await writer.write(piece)
                 finally:
                     lease.release()
+            if tally is not None:
+                tallies[name] = [tally.nan, tally.inf]
 
     def _mckp_layout(self, item: StagedItem, plan: EncodePlan, params: CodecParams
                      ) -> tuple[list[U8 | StreamedTensor], list[U8 | None], list[TensorEntry],
@@ -238,7 +268,7 @@ class BlobEncoder:
         return views, bases, entries, jobs
 
     async def _write_mckp(self, writer: BlobWriter, item: StagedItem, step: int,
-                          plan: EncodePlan, hold: int) -> str:
+                          plan: EncodePlan, hold: int, tallies: Tallies) -> str:
         params = self.params_for(item.nbytes)
         views, bases, entries, jobs = self._mckp_layout(item, plan, params)
         if item.stream is not None:  # what save() waits for is copied out first
@@ -255,14 +285,21 @@ class BlobEncoder:
         await self.memory.acquire(admit, f"{item.name}: its blob header ({len(head)} bytes: "
                                   "the state's non-tensor values and tensor index), write "
                                   "buffers and one chunk in flight")
+        counts = [[0, 0] for _ in entries]  # per stored tensor, from its chunks' counts
+
+        def sink(ti: int, ci: int, enc: EncodedChunk) -> Awaitable[None]:
+            c = counts[ti]
+            c[0] += enc.nonfinite[0]
+            c[1] += enc.nonfinite[1]
+            return writer.write(mckp.add(ti, ci, enc))
+
         try:
             await writer.write(head)
             del head
             extra = {"floor": floor} if floor else {}
-            await self._run_chunks(batches, views, bases, entries, params,
-                                   lambda ti, ci, enc: writer.write(mckp.add(ti, ci, enc)),
-                                   **extra)
+            await self._run_chunks(batches, views, bases, entries, params, sink, **extra)
             await writer.write(mckp.finish())
+            tallies.update((e.name, c) for e, c in zip(entries, counts, strict=True))
         finally:
             self.memory.release(admit)
         return f"{mckp.xxh64:016x}"

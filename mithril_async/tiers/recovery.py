@@ -138,12 +138,15 @@ async def _latest(ctx: TierContext, inv: list[Inventory], every: list[str], file
     vid = found or newest_fast
     got = None if vid is None else await _try_manifest(ctx, vid)
     held: list[Held] | None = None
-    if got is None or got[0].world_size != ctx.world:
+    if got is None or got[0].world_size != ctx.world or got[0].held:
         # saved by another world size: the rule above follows the fixed replica mapping of
-        # this job's nodes, not the saving job's; ask the holders instead
+        # this job's nodes, not the saving job's; ask the holders instead (and a version
+        # held for NaN/Inf is never "latest": the newest healthy one is)
         elastic = await _elastic_latest(ctx, inv, every, files)
         if elastic is not None:
             vid, got, held = elastic
+        elif got is not None and got[0].held:
+            got = None
     if vid is None or got is None:
         raise VersionNotFound(f"run {ctx.run.run_id}: no version is complete on any tier "
                               "(local, replicated, remote)")
@@ -163,7 +166,7 @@ async def _elastic_latest(ctx: TierContext, inv: list[Inventory], every: list[st
     files anywhere fast."""
     for v in sorted(every, reverse=True):
         got = await _try_manifest(ctx, v)
-        if got is None:
+        if got is None or got[0].held:
             continue
         m = got[0]
         held: list[Held] | None = None

@@ -64,7 +64,7 @@ def pieces_of(doc: dict[str, Any]) -> dict[str, dict[str, PieceMeta]]:
 
 #: what the worker's result tells the trainer's SaveResult
 _RESULT_FIELDS = ("status", "version_id", "total_s", "bytes_in", "bytes_out", "error",
-                  "host_peak_bytes")
+                  "host_peak_bytes", "nonfinite", "held")
 
 
 def result_doc(res: SaveResult) -> dict[str, Any]:

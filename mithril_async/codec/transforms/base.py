@@ -16,6 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from mithril_async.codec.dtypes import DtypeInfo
+    from mithril_async.codec.kernels import NonFiniteTally
     from mithril_async.codec.params import CodecParams
 
 __all__ = ["ChunkTransform", "Transform", "U8"]
@@ -69,9 +70,12 @@ class ChunkTransform:
         a whole number of ``width``-byte elements)."""
         return width
 
-    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None) -> U8:
+    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None,
+                tally: NonFiniteTally | None = None) -> U8:
         """The planes of ``src ^ base`` (``base`` may be ``None``), concatenated, in ``out``
-        when given (an identity transform may return ``src`` itself)."""
+        when given (an identity transform may return ``src`` itself). ``tally``: count the
+        NaN/Inf elements of ``src`` into it, in the same pass (an identity transform that
+        returns ``src`` reads nothing, and counts nothing)."""
         raise NotImplementedError
 
     def inverse(self, planes: U8, width: int, base: U8 | None, out: U8) -> None:

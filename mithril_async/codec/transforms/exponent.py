@@ -34,8 +34,9 @@ class ExponentPlanes(ChunkTransform):
             return info.itemsize
         return None
 
-    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None) -> U8:
-        return K.exp_group(src, self.kind, base, out=out)
+    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None,
+                tally: K.NonFiniteTally | None = None) -> U8:
+        return K.exp_group(src, self.kind, base, out=out, tally=tally)
 
     def inverse(self, planes: U8, width: int, base: U8 | None, out: U8) -> None:
         K.exp_ungroup(planes, self.kind, base, out=out)

@@ -25,10 +25,11 @@ class ByteGroup(ChunkTransform):
         w = info.group_width
         return w if params.byte_grouping and w > 1 and size >= 2 * w else None
 
-    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None) -> U8:
+    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None,
+                tally: K.NonFiniteTally | None = None) -> U8:
         if base is None:
-            return K.group(src, width, out=out)
-        return K.xor_group(src, base, width, out=out)
+            return K.group(src, width, out=out, tally=tally)
+        return K.xor_group(src, base, width, out=out, tally=tally)
 
     def inverse(self, planes: U8, width: int, base: U8 | None, out: U8) -> None:
         if base is None:

@@ -26,8 +26,9 @@ class NoTransform(ChunkTransform):
     def planes(self, width: int) -> int:
         return 1
 
-    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None) -> U8:
-        return src if base is None else K.xor(src, base, out=out)
+    def forward(self, src: U8, width: int, base: U8 | None, out: U8 | None,
+                tally: K.NonFiniteTally | None = None) -> U8:
+        return src if base is None else K.xor(src, base, out=out, tally=tally)
 
     def inverse(self, planes: U8, width: int, base: U8 | None, out: U8) -> None:
         if base is None:
