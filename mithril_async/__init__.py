@@ -14,13 +14,17 @@ from mithril_async.errors import (
     ConfigError,
     DistributedError,
     ErrorBoundExceeded,
+    HostMemoryExceeded,
     InvalidFormat,
     KeyExists,
     KeyNotFound,
+    LockTimeout,
     MissingPrevious,
     MithrilError,
     NonFiniteState,
+    OutputExists,
     PreconditionFailed,
+    RestoreIncomplete,
     SaveFailed,
     SaveInProgress,
     ShapeMismatch,
@@ -32,25 +36,30 @@ from mithril_async.errors import (
     UnsupportedDtype,
     UnsupportedStateType,
     VersionNotFound,
+    WorkerExited,
 )
-from mithril_async.manager import CheckpointManager
+from mithril_async.manager import CheckpointManager, RestoreResult, ResumeReport
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.retention import KeepAny, KeepBestN, KeepEveryNSteps, KeepLastN, Policy
 from mithril_async.state import TensorDict
+from mithril_async.storage import open_store
+from mithril_async.storage.base import BlobWriter, Store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlobWriter",
     "CheckpointManager",
-    "Compressor",
-    "DistCoordinator",
     "ChecksumMismatch",
     "ClaimLost",
     "CompressionError",
+    "Compressor",
     "Config",
     "ConfigError",
+    "DistCoordinator",
     "DistributedError",
     "ErrorBoundExceeded",
+    "HostMemoryExceeded",
     "InvalidFormat",
     "KeepAny",
     "KeepBestN",
@@ -58,11 +67,16 @@ __all__ = [
     "KeepLastN",
     "KeyExists",
     "KeyNotFound",
+    "LockTimeout",
     "MissingPrevious",
     "MithrilError",
     "NonFiniteState",
+    "OutputExists",
     "Policy",
     "PreconditionFailed",
+    "RestoreIncomplete",
+    "RestoreResult",
+    "ResumeReport",
     "SaveFailed",
     "SaveHandle",
     "SaveInProgress",
@@ -71,15 +85,18 @@ __all__ = [
     "SnapshotTorn",
     "StepAlreadyExists",
     "StorageError",
+    "Store",
     "TensorDict",
     "UnknownFormatVersion",
     "UnsafeKey",
     "UnsupportedDtype",
     "UnsupportedStateType",
     "VersionNotFound",
-    "__version__",
+    "WorkerExited",
     "compress_state_dict",
     "decompress_state_dict",
     "load_config",
+    "open_store",
     "parse_config",
+    "__version__",
 ]

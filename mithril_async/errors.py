@@ -198,3 +198,11 @@ class NonFiniteState(MithrilError, ValueError):
 
 
 __all__ += ["NonFiniteState"]
+
+
+class OutputExists(MithrilError, FileExistsError):
+    """An output folder (an export's) is not empty or is a file, and ``force`` was not
+    given: nothing was written."""
+
+
+__all__ += ["OutputExists"]

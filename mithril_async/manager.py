@@ -454,8 +454,7 @@ class CheckpointManager:
         return err
 
     # ------------------------------------------------------------ save
-    async def save(self, step: int, metrics: Mapping[str, Any] | None = None,
-                   *, force: bool = False) -> SaveHandle:
+    async def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Snapshot now, write in the background; returns once the snapshot is consistent."""
         t0 = time.perf_counter()
         self._begin(step)

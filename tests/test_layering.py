@@ -12,7 +12,6 @@ import importlib.util
 import pkgutil
 from pathlib import Path
 
-import mithril_async.delta as old_name
 import mithril_async.step_deltas as step_deltas
 
 
@@ -45,14 +44,6 @@ def test_step_deltas_never_import_the_save_pipelines_delta_chains() -> None:
     chains = {"mithril_async.save.delta_chain", "mithril_async.save.delta_choice"}
     for mod in pkgutil.iter_modules(step_deltas.__path__, "mithril_async.step_deltas."):
         assert not _imports(mod.name) & chains, mod.name
-
-
-def test_mithril_async_delta_is_only_the_old_name_of_step_deltas() -> None:
-    assert old_name.__all__ == step_deltas.__all__
-    for name in step_deltas.__all__:
-        if name != "SparseDeltaCallback":  # lazy: would import transformers
-            assert getattr(old_name, name) is getattr(step_deltas, name), name
-    assert not hasattr(old_name, "chain")
 
 
 def _package_graph() -> dict[str, set[str]]:

@@ -52,7 +52,7 @@ from mithril_async.codec.safetensors_io import SAFETENSORS_DTYPES, safetensors_h
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import (
     ConfigError,
-    MithrilError,
+    OutputExists,
     UnsupportedDtype,
     UnsupportedStateType,
 )
@@ -74,10 +74,6 @@ _METADATA = {"format": "pt"}
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-class OutputExists(MithrilError, FileExistsError):
-    """An export's output folder is not empty (or is a file) and ``force`` was not given."""
 
 
 @dataclass
