@@ -140,7 +140,8 @@ class CheckpointManager:
                                 "nor get_state()/set_state()")
         self.state = dict(state)
         #: objects passed in that a checkpoint worker process cannot rebuild
-        given = [what for what, obj in (("a store", store), ("a coordinator", coordinator),
+        own = None if isinstance(coordinator, LocalCoordinator) else coordinator
+        given = [what for what, obj in (("a store", store), ("a coordinator", own),
                                         ("a retention policy", retention))
                  if obj is not None and obj is not _UNSET]
         keep_all = retention is None  # a worker keeps every version too

@@ -69,7 +69,7 @@ class WorkerClient:
         self._init = {"config": config_doc(ctx.config), "run_id": run_id,
                       "runs_prefix": runs_prefix, "rank": ctx.rank,
                       "world_size": ctx.world_size, "sharded_model": sharded_model,
-                      "keep_all": keep_all}
+                      "keep_all": keep_all, "items": list(ctx.state)}
         self.proc: subprocess.Popen[bytes] | None = None
         #: the rank protocol's steps run for the save in flight, by name (multi-rank: a
         #: worker that dies mid-save leaves the trainer to finish them, see _finish_protocol)

@@ -151,8 +151,9 @@ class WorkerServer:
         else:
             coordinator = LocalCoordinator()
         self.ctx = SaveContext(
-            config=config, state={}, store=store, layout=layout, catalog=catalog,
-            coordinator=coordinator, pool=pool,
+            # the state's item names (what a rank's discard of an aborted save removes)
+            config=config, state=dict.fromkeys(args.get("items") or ()), store=store,
+            layout=layout, catalog=catalog, coordinator=coordinator, pool=pool,
             encoder=BlobEncoder(comp, cfg.pipeline, pool),
             chain_policy=ChainPolicy(
                 delta=comp.delta and comp.enabled,
