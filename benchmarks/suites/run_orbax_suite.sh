@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Orbax's own checkpointing tests, with Orbax's handlers (the control) and with ours.
-# Not part of the test suite (an hour or more on 2 cores). Results: docs/suites/orbax.md.
+# Not part of the test suite (15-30 minutes on 2 cores). Results: docs/suites/orbax.md.
 #
 #   benchmarks/suites/run_orbax_suite.sh [OUT_DIR]
 #
@@ -18,7 +18,7 @@
 # MITHRIL_SRC: where mithril_async is imported from (default this checkout; give an export of a
 # commit with its native extensions built, e.g. `git archive HEAD | tar -x -C DIR && (cd DIR &&
 # python setup.py build_ext --inplace)`, to test a fixed codec while others edit this tree).
-# Every run: JAX_PLATFORMS=cpu, 8 virtual CPU devices, a fresh TEST_TMPDIR, TEST_SRCDIR with
+# FILES (default "standard pytree manager") picks files. Every run: JAX_PLATFORMS=cpu, 8 virtual CPU devices, a fresh TEST_TMPDIR, TEST_SRCDIR with
 # the repository's checkpoint/orbax/checkpoint/testing data, one-process jax.distributed
 # (orbax_site/conftest.py).
 set -u
@@ -31,6 +31,7 @@ ref="${ORBAX_REF:-HEAD}"
 deps="${DEPS:-$repo/build/orbax-suite-deps}"
 work="${WORK:-$repo/build/orbax-suite}"
 modes="${MODES:-orbax mithril}"
+files="${FILES:-standard pytree manager}"
 mithril_src="${MITHRIL_SRC:-$repo}"
 per_file_s="${PER_FILE_S:-5400}"
 src=checkpoint/orbax/checkpoint
@@ -56,12 +57,13 @@ echo "orbax tests from $orbax_repo at $(git --git-dir="$orbax_repo" rev-parse "$
 
 run() {  # mode name file [extra env...]
   local mode="$1" name="$2" file="$3"; shift 3
+  case " $files " in *" $name "*) ;; *) return ;; esac
   local tmp; tmp="$(mktemp -d)"
   echo "== $mode $name ($file)"
   ( cd "$work" && env "$@" JAX_PLATFORMS=cpu TEST_TMPDIR="$tmp" TEST_SRCDIR="$work/srcdir" \
       XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       PYTHONPATH="$mithril_src:$deps${PYTHONPATH:+:$PYTHONPATH}" \
-      timeout "$per_file_s" "$py" -m pytest -q -p no:cacheprovider -o addopts="" \
+      timeout "$per_file_s" "$py" -m pytest -q -p no:cacheprovider -o addopts="" --capture=sys \
         --rootdir="$work" --junitxml="$out/$mode-$name.xml" "$file" > "$out/$mode-$name.log" 2>&1 )
   echo "   exit $? ($(grep -E '(passed|failed).* in [0-9.]+s' "$out/$mode-$name.log" | tail -1);" \
        "$(grep '^mithril_async handlers:' "$out/$mode-$name.log" | tail -1))"

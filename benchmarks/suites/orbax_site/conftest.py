@@ -3,7 +3,8 @@
 What Orbax's test harness expects and its wheel does not ship, in every mode:
 - absl flags marked parsed (as the wheel's own ``orbax/checkpoint/conftest.py`` does);
 - a JAX distributed client: ``MultiProcessTest.setUp`` waits at a barrier of the
-  ``jax.distributed`` service, so a one-process ``jax.distributed.initialize`` runs first;
+  ``jax.distributed`` service, so a one-process ``jax.distributed.initialize`` runs first
+  (with a long heartbeat timeout);
 - ``orbax.checkpoint._src.testing.multiprocess_test`` and its ``oss`` twin (in Orbax's
   repository, not in the wheel): the runner copies them beside this file as
   ``_multiprocess_test.py`` / ``_oss_multiprocess_test.py`` and they are registered under their
@@ -56,8 +57,9 @@ def pytest_configure(config: Any) -> None:
     from absl import flags
 
     flags.FLAGS.mark_as_parsed()
+    # a generous heartbeat: on a loaded machine the default 100 s can lapse and abort the run
     jax.distributed.initialize(f"localhost:{portpicker.pick_unused_port()}", num_processes=1,
-                               process_id=0)
+                               process_id=0, heartbeat_timeout_seconds=900)
     _register("orbax.checkpoint._src.testing.oss.multiprocess_test",
               HERE / "_oss_multiprocess_test.py")
     _register("orbax.checkpoint._src.testing.multiprocess_test", HERE / "_multiprocess_test.py")

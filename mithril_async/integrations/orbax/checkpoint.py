@@ -111,8 +111,10 @@ def enable_globally(compression_level: int = 3, *, threads: int | None = None) -
 
 
 def disable_globally() -> None:
-    """Give ``jax.Array`` / ``np.ndarray`` back to Orbax's stock handlers (checkpoints saved
-    while enabled still load: our type strings stay registered)."""
+    """Give ``jax.Array`` / ``np.ndarray`` back to Orbax's stock handlers. Checkpoints saved
+    while enabled then restore through :class:`MithrilCheckpointHandler` (our type strings stay
+    registered, so a restore that looks handlers up by the recorded type still finds ours; one
+    that asks for ``restore_type=jax.Array`` gets Orbax's handler, which cannot read them)."""
     registry_lib.register_type_handler(
         jax.Array, stock.ArrayHandler(array_metadata_store=array_metadata_store_lib.Store()),
         override=True)
