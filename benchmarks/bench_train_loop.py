@@ -122,12 +122,12 @@ System = Callable[[int], Row]
 
 
 def ours(loop: Loop, root: Path, snapshot: str, compress: bool, nice: int,
-         prune: bool = False) -> System:
+         prune: bool = False, process: str = "inline") -> System:
     cfg = parse_config(f'[checkpointing]\nruns_path = "{root}/runs"\nrun_id = "bench"\n'
                        + ("keep_last = 1\n" if prune else "")
                        + f"[checkpointing.compression]\nenabled = {str(compress).lower()}\n"
                        f'[checkpointing.pipeline]\nsnapshot = "{snapshot}"\n'
-                       f"background_nice = {nice}\n")
+                       f'background_nice = {nice}\nprocess = "{process}"\n')
     manager = CheckpointManager(cfg, {"model": loop.model, "optimizer": loop.opt})
 
     def one(i: int) -> Row:
@@ -219,10 +219,12 @@ def torch_save(loop: Loop, root: Path, prune: bool = False) -> System:
 
 #: --systems keys -> the names printed (CPU default: the first three, as always)
 NAMES = {"overlapped": "mithril overlapped", "blocking": "mithril blocking",
+         "worker": "mithril overlapped, worker", "worker-blocking": "mithril blocking, worker",
          "dcp": "DCP async_save", "dcp-pinned": "DCP async_save pinned",
          "dcp-pinned-async": "DCP async_save pinned, async staging", "torch-save": "torch.save"}
 DEFAULT_SYSTEMS = {"cpu": "overlapped,blocking,dcp",
-                   "cuda": "overlapped,blocking,dcp-pinned,dcp-pinned-async,torch-save"}
+                   "cuda": "overlapped,blocking,worker,worker-blocking,dcp-pinned,"
+                           "dcp-pinned-async,torch-save"}
 #: the DCP the ratios are taken against: the first of these that ran (on a GPU the pinned one)
 REFERENCES = ("dcp-pinned", "dcp-pinned-async", "dcp")
 
@@ -283,6 +285,10 @@ def main() -> None:
                                        args.prune),
             "blocking": lambda: ours(loop, root / "b", "blocking", not args.raw, args.nice,
                                      args.prune),
+            "worker": lambda: ours(loop, root / "w", "overlapped", not args.raw, args.nice,
+                                   args.prune, "worker"),
+            "worker-blocking": lambda: ours(loop, root / "wb", "blocking", not args.raw,
+                                            args.nice, args.prune, "worker"),
             "dcp": lambda: dcp_async(loop, root / "d", args.prune),
             "dcp-pinned": lambda: dcp_pinned(loop, root / "dp", False, args.prune),
             "dcp-pinned-async": lambda: dcp_pinned(loop, root / "da", True, args.prune),
