@@ -8,27 +8,18 @@ name), and every failure with the first line of its message.
 from __future__ import annotations
 
 import sys
-import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dcp_suite_report import outcomes as dcp_outcomes  # the JUnit parsing, shared
 
 MODES = ("orbax", "mithril")
 
 
 def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
-    """test method (class name dropped) -> (passed | failed | error | skipped, first line)."""
-    out: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        state, msg = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                state = "failed" if tag == "failure" else tag
-                text = (el.get("message") or el.text or "").strip()
-                msg = next((ln for ln in text.splitlines() if ln.strip()), "")[:240]
-                break
-        out[str(case.get("name"))] = (state, msg)
-    return out
+    """test method (class name dropped: ours are subclasses) -> (state, first line)."""
+    return {tid.rsplit(".", 1)[-1]: v for tid, v in dcp_outcomes(xml).items()}
 
 
 def main() -> None:
