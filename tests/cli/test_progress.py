@@ -210,27 +210,46 @@ def test_damage_is_reported_after_a_partial_bar(pristine: Path, tmp_path: Path,
 def terminal_stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], str]]:
     """sys.stderr on a pseudo-terminal (in process), from the first call of the function
     this yields (pytest's capture replaces sys.stderr again between a fixture and its test);
-    that function returns what the terminal has received so far."""
+    that function returns what the terminal has received so far. A thread drains the
+    terminal all along, so a bar drawing too often fails an assertion instead of blocking on
+    a full terminal; each call waits for a marker it writes to know it has seen everything."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    os.set_blocking(master, False)
     stream = open(slave, "w", encoding="utf-8", closefd=True)  # noqa: SIM115
     got = bytearray()
+    seen = threading.Condition()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                chunk = b""
+            with seen:
+                got.extend(chunk)
+                seen.notify_all()
+            if not chunk:
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    marks = iter(range(1 << 30))
 
     def received() -> str:
         if sys.stderr is not stream:
             monkeypatch.setattr(sys, "stderr", stream)
+        mark = f"<mark {next(marks)}>".encode()
+        stream.write(mark.decode())
         stream.flush()
-        while True:
-            try:
-                chunk = os.read(master, 1 << 16)
-            except BlockingIOError:
-                return got.decode("utf-8", "replace")
-            got.extend(chunk)
+        with seen:
+            assert seen.wait_for(lambda: mark in got, timeout=60)
+            got[:] = got.replace(mark, b"")
+            return got.decode("utf-8", "replace")
 
     yield received
     monkeypatch.undo()
     stream.close()
+    reader.join(timeout=60)
     os.close(master)
 
 
