@@ -1,7 +1,11 @@
 """One process of a two-process JAX job (``jax.distributed`` on the CPU, 2 devices each)
 saving and restoring through ``MithrilCheckpointHandler`` into a shared folder.
 
-    python _orbax_worker.py PORT PROCESS_ID FOLDER
+    python _orbax_worker.py PORT_FILE PROCESS_ID FOLDER
+
+Process 0 picks a free port for the ``jax.distributed`` coordinator and binds it at once,
+naming it in PORT_FILE (renamed into place); process 1 waits for that file. Picking the port
+in the parent, seconds before a child can bind it, would let another program take it.
 
 Each process builds the same global arrays over a 2x2 mesh spanning both processes, saves
 them, restores them into other shardings and checks every addressable shard against the
@@ -11,7 +15,10 @@ values it was built from (exit status 0 when all match).
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
+from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -22,8 +29,26 @@ import numpy as np
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
+def coordinator_port(port_file: Path, pid: int) -> int:
+    if pid == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(port_file)
+        return port
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process 0 never wrote {port_file}")
+        time.sleep(0.05)
+    return int(port_file.read_text())
+
+
 def main() -> None:
-    port, pid, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    port_file, pid, folder = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    port = coordinator_port(port_file, pid)
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                                initialization_timeout=120)
     import orbax.checkpoint as ocp

@@ -9,7 +9,6 @@ own handlers; damaged files; a reader without our handlers.
 from __future__ import annotations
 
 import hashlib
-import socket
 import subprocess
 import sys
 import threading
@@ -359,12 +358,11 @@ def test_two_processes_each_write_only_their_replica_0_shards(tmp_path: Path) ->
     """A real two-process jax.distributed job (2 CPU devices each, a 2x2 mesh across both):
     every process writes its own blob with its replica-0 shards only, and each restores its
     shards of other shardings bit-exact (checked in the workers)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     worker = Path(__file__).with_name("_orbax_worker.py")
     root = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i), str(tmp_path / "c")],
+    port_file = tmp_path / "coordinator.port"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port_file), str(i),
+                               str(tmp_path / "c")],
                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
