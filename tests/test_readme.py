@@ -1,5 +1,6 @@
-"""The README's configuration reference is the real config: it parses, names every key of
-every ``[checkpointing]`` table, and each value it sets is the default."""
+"""The configuration reference (docs/CONFIG.md, linked from the README) is the real config:
+it parses, names every key of every ``[checkpointing]`` table, and each value it sets is the
+default."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pydantic import BaseModel
 
 from mithril_async.config import CheckpointingConfig, parse_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
 
 
 def _reference() -> str:
-    return README.read_text(encoding="utf-8").split("```toml\n", 1)[1].split("```", 1)[0]
+    return REFERENCE.read_text(encoding="utf-8").split("```toml\n", 1)[1].split("```", 1)[0]
 
 
 def _keys(model: type[BaseModel], prefix: str) -> set[str]:
