@@ -58,6 +58,7 @@ from mithril_async.errors import (
 )
 from mithril_async.export.hf_files import is_weights_file, read_hf_files
 from mithril_async.export.tensors import TensorSpec, open_item_tensors
+from mithril_async.pipeline.loop import run_to_completion
 from mithril_async.restore.reader import DEFAULT_INFLIGHT_MIB, VersionReader
 from mithril_async.storage.atomic import atomic_file, atomic_write
 
@@ -346,19 +347,7 @@ def export_hf(run: RunCatalog | str | os.PathLike[str], out_dir: str | os.PathLi
     else:
         folder = Path(run).expanduser().absolute()
         catalog = open_catalog(folder.parent, folder.name)
-    return _run_sync(export_hf_async(catalog, out_dir, **kw))
-
-
-def _run_sync(coro: Coroutine[Any, Any, ExportResult]) -> ExportResult:
-    """Run ``coro`` to completion, on a thread of its own when this one runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        return ex.submit(asyncio.run, coro).result()
+    return run_to_completion(export_hf_async(catalog, out_dir, **kw))
 
 
 def close_export_dir(cfg: CheckpointingConfig, run_id: str) -> Path | None:

@@ -69,8 +69,6 @@ training goes on (an export then holds the weights only, and says so).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -79,10 +77,9 @@ import re
 import shutil
 import sys
 from collections import deque
-from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,13 +89,13 @@ from mithril_async.config import Config, config_from_dict
 from mithril_async.errors import StepAlreadyExists
 from mithril_async.manager import CheckpointManager
 from mithril_async.pipeline.coordinator import LocalCoordinator
+from mithril_async.pipeline.loop import run_to_completion
 from mithril_async.pipeline.results import SaveResult
 
 __all__ = ["MithrilTrainerCallback", "write_hf_checkpoint"]
 
 log = logging.getLogger("mithril_async")
 
-T = TypeVar("T")
 
 #: the marker file of a folder this callback materialised (so only such folders are removed)
 _MARKER = ".mithril-resume"
@@ -336,7 +333,7 @@ class MithrilTrainerCallback(TrainerCallback):
             return
         try:
             with VersionReader(open_catalog(self.runs_path, run_id)) as reader:
-                got = _run(reader.read_version(target, items=["model"]))
+                got = run_to_completion(reader.read_version(target, items=["model"]))
         except VersionNotFound:
             if target == "latest":
                 return
@@ -376,7 +373,8 @@ class MithrilTrainerCallback(TrainerCallback):
         if not want:
             return
         with VersionReader(open_catalog(self.runs_path, self._run_id(args))) as reader:
-            got = _run(reader.read_version(self._resume_version, items=want, rng=False))
+            got = run_to_completion(reader.read_version(self._resume_version, items=want,
+                                                        rng=False))
         if "optimizer" in want and "optimizer" in got.trees:
             kwargs["optimizer"].load_state_dict(got.trees["optimizer"])
         if "scheduler" in want and "scheduler" in got.trees:
@@ -400,17 +398,6 @@ class MithrilTrainerCallback(TrainerCallback):
         self.resume_info = self._resume_version = None
         self._materialize(args, target)
         return None if self.resume_info is None else str(self.resume_info["path"])
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a read to completion from a callback, also where the caller's thread already runs
-    an event loop (a notebook): then on a thread of its own."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def save_metrics(res: SaveResult) -> dict[str, float]:

@@ -72,6 +72,17 @@ async def all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]
     raise err
 
 
+def run_to_completion(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code: on this thread, or on a thread of
+    its own when this one already runs an event loop (a notebook, an async caller)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def new_event_loop() -> tuple[asyncio.AbstractEventLoop, str]:
     """Create an event loop, preferring uvloop; return it with the name of its kind."""
     try:
