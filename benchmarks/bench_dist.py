@@ -51,8 +51,8 @@ from mithril_async.distributed import (
 )
 
 
-def build(mparams: float, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """Weight-like fp32 matrices, sharded by rows over the ranks, with one AdamW step taken."""
+def build_model(mparams: float, world: int) -> torch.nn.Module:
+    """Weight-like fp32 matrices, sharded by rows over the ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -64,6 +64,12 @@ def build(mparams: float, world: int) -> tuple[torch.nn.Module, torch.optim.Opti
     for lin in model:
         w = torch.randn(rows, rows, generator=g) * 0.02
         lin.weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+    return model
+
+
+def build(mparams: float, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """:func:`build_model` with one AdamW step taken."""
+    model = build_model(mparams, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train_step(model, opt)
     return model, opt

@@ -40,25 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rss import PeakRSS
+from bench_dist import build_model
 
 from mithril_async import CheckpointManager, parse_config
 from mithril_async.distributed import DistCoordinator, ShardedModel
-
-
-def build(mparams: float, world: int) -> torch.nn.Module:
-    """Weight-like fp32 matrices, sharded by rows over the ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    rows = 1024
-    layers = max(1, round(mparams * 1e6 / (rows * rows)))
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.ModuleList(torch.nn.Linear(rows, rows, bias=False) for _ in range(layers))
-    for lin in model:
-        w = torch.randn(rows, rows, generator=g) * 0.02
-        lin.weight = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
-    return model
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:
@@ -67,7 +52,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: s
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    model = build(args.mparams, world)
+    model = build_model(args.mparams, world)
     cfg = parse_config(f'[checkpointing]\nruns_path = "{tmp}/runs"\nrun_id = "bench"\n'
                        f"[checkpointing.compression]\nenabled = {str(not args.raw).lower()}\n")
     with CheckpointManager(cfg, {"model": ShardedModel(model)}, sharded_model=True,
