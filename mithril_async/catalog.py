@@ -57,6 +57,8 @@ from mithril_async.storage.base import Store, check_key
 log = logging.getLogger("mithril_async")
 
 _CAS_ATTEMPTS = 32
+#: deletes of one version's files in flight at once
+_DELETES_IN_FLIGHT = 64
 
 
 class RunCatalog:
@@ -73,19 +75,16 @@ class RunCatalog:
 
     # ---------------------------------------------------------------- versions
     async def version_numbers(self) -> dict[int, bool]:
-        """Every version number present, mapped to whether it is committed."""
-        out: dict[int, bool] = {}
-        prefix = self.layout.versions_prefix
-        for key in await self.store.list(prefix):
-            rest = key[len(prefix):].split("/")
-            if len(rest) != 2:
-                continue
-            try:
-                n = version_number(rest[0])
-            except InvalidFormat:
-                continue
-            out[n] = out.get(n, False) or rest[1] == "manifest.json"
-        return out
+        """Every version number present, mapped to whether it is committed.
+
+        One level of ``versions/`` is listed (the version folders' names) and each folder's
+        manifest is looked up, all at once: never a listing of every blob of every kept
+        version, which grows with ranks x files x versions (thousands of pages per save
+        for a job of thousands of ranks)."""
+        numbers = await self._folder_numbers()
+        committed = await asyncio.gather(*(self.store.exists(self.layout.manifest_key(n))
+                                           for n in numbers))
+        return dict(zip(numbers, committed, strict=True))
 
     async def _folder_numbers(self) -> list[int]:
         """The numbers of the version folders present, committed or not."""
@@ -106,6 +105,13 @@ class RunCatalog:
         check_manifest(self.layout, key, m)
         self._manifests[key] = m
         return m
+
+    def remember(self, key: str, m: VersionManifest) -> None:
+        """Cache manifest ``m``, which this process has just committed at ``key``, so that
+        listing the versions does not read it back (a manifest of thousands of ranks takes
+        a noticeable part of a second to parse). It must pass the checks of a read."""
+        check_manifest(self.layout, key, m)
+        self._manifests[key] = m
 
     async def versions(self, *, skip_damaged: bool = False) -> list[VersionManifest]:
         """All committed versions, oldest step first.
@@ -244,21 +250,15 @@ class RunCatalog:
         """Version ids named as bases by the live claims of unfinished saves: a save still
         running may be encoding deltas against them, so retention keeps them.
 
-        ``committed``: the committed version ids. One listing of ``versions/`` shows which
-        unfinished folders hold a claim; only those claims are read (a claimless leftover
-        costs nothing, however many there are)."""
-        prefix = self.layout.versions_prefix
-        claimed: set[int] = set()
-        for key in await self.store.list(prefix):
-            folder, _, name = key[len(prefix):].partition("/")
-            if name != "_claim.json" or folder in committed:
-                continue
-            with contextlib.suppress(InvalidFormat):
-                claimed.add(version_number(folder))
+        ``committed``: the committed version ids. The version folders are listed one level
+        deep and only the claims of the others (unfinished saves and leftovers: a few) are
+        read; a folder without a claim costs one read."""
+        folders = await self._folder_numbers()
+        unfinished = [n for n in folders if version_id(n) not in committed]
+        docs = await asyncio.gather(*(self.read_claim(n) for n in unfinished))
         me = owner_identity()
         out: set[str] = set()
-        for n in sorted(claimed):
-            doc = await self.read_claim(n)
+        for doc in docs:
             if doc is None or claim_doc_stale(doc, self.claim_stale_s, me=me):
                 continue
             bases = doc.get("bases")
@@ -456,9 +456,11 @@ class RunCatalog:
         deletion killed half-way leaves an unclaimed folder that the next start removes),
         then its files.
 
-        Once the manifest is gone, a failing delete (e.g. the directory fsync after an unlink)
-        does not stop the others: the rest is removed and the first error raised, so a
-        long-running process does not keep an unclaimed half-deleted folder until restart.
+        The files go concurrently (``_DELETES_IN_FLIGHT`` at a time: a version of thousands
+        of ranks holds thousands of files). Once the manifest is gone, a failing delete (e.g.
+        the directory fsync after an unlink) does not stop the others: the rest is removed
+        and the first error raised, so a long-running process does not keep an unclaimed
+        half-deleted folder until restart.
         The claim goes before the folder is listed, and a failed claim delete is tried once
         more at the end: a claim without a manifest looks like a save in progress (retention
         reads it, keeps what it names), a claimless folder is plain garbage."""
@@ -489,12 +491,27 @@ class RunCatalog:
         except Exception as err:
             errors.append(err)
             rest = []
-        for key in rest:
-            await delete(key)
+        errors += await self.delete_keys(rest)
         if not claim_gone:
             await delete(claim)
         if errors:
             raise errors[0]
+
+    async def delete_keys(self, keys: Iterable[str]) -> list[Exception]:
+        """Delete ``keys``, :data:`_DELETES_IN_FLIGHT` at a time (a version of thousands of
+        ranks holds thousands of files); every key is tried, the errors are returned."""
+        errors: list[Exception] = []
+        slots = asyncio.Semaphore(_DELETES_IN_FLIGHT)
+
+        async def one(key: str) -> None:
+            async with slots:
+                try:
+                    await self.store.delete(key)
+                except Exception as err:
+                    errors.append(err)
+
+        await asyncio.gather(*(one(k) for k in keys))
+        return errors
 
     # ---------------------------------------------------------------- aliases
     async def read_alias(self, name: str) -> AliasFile | None:

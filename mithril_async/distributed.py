@@ -33,8 +33,14 @@ import torch
 import torch.distributed as dist
 
 from mithril_async.errors import DistributedError, ShapeMismatch
-from mithril_async.manifest import PieceMeta
-from mithril_async.pipeline.coordinator import Outcome, RankPart
+from mithril_async.manifest import MeshSplit, PieceLayout, PieceMeta, gc_paused
+from mithril_async.pipeline.coordinator import (
+    Outcome,
+    RankPart,
+    compact_part,
+    layout_senders,
+    with_layouts,
+)
 from mithril_async.restore.reshard import Box
 from mithril_async.state import unique_name
 
@@ -188,18 +194,36 @@ class DistCoordinator:
         return int(number)
 
     async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
-        """Rank 0 receives every rank's report (as plain dicts: no foreign classes pickled)."""
-        sent = part.model_dump(mode="json")
+        """Rank 0 receives every rank's report (as plain dicts: no foreign classes pickled).
 
+        Parts travel compact and without their piece layouts; then rank 0 names, for each
+        layout, the lowest rank using it, and only those ranks send it (one more broadcast
+        and gather): rank 0 receives each distinct layout once, not once per rank."""
+        part = compact_part(part)
+        got = await self._collective("gather_parts", self._gather_fn(
+            part.model_dump(mode="json", exclude={"layouts"})))
+        with gc_paused():
+            parts = None if got is None else [RankPart.model_validate(d) for d in got]
+        senders: dict[str, int] = await self._collective("gather_parts:layouts", self._bcast_fn(
+            None if parts is None else layout_senders(parts)))
+        if not senders:
+            return parts
+        mine = {lid: part.layouts[lid].model_dump(mode="json")
+                for lid, r in senders.items() if r == self.rank}
+        sent = await self._collective("gather_parts:layouts", self._gather_fn(mine))
+        if parts is None or sent is None:
+            return None
+        with gc_paused():
+            layouts = {lid: PieceLayout.model_validate(d)
+                       for one in sent if one for lid, d in one.items()}
+            return with_layouts(parts, layouts)
+
+    def _gather_fn(self, obj: Any) -> Callable[[], list[Any] | None]:
         def run() -> list[Any] | None:
             out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(sent, out, dst=self._root, group=self.group)
+            dist.gather_object(obj, out, dst=self._root, group=self.group)
             return out
-
-        got = await self._collective("gather_parts", run)
-        if got is None:
-            return None
-        return [RankPart.model_validate(d) for d in got]
+        return run
 
     async def broadcast_outcome(self, outcome: Outcome | None) -> Outcome:
         sent = None if outcome is None else outcome.model_dump(mode="json")
@@ -312,8 +336,12 @@ def piece_of(t: Any) -> PieceMeta | None:
         mesh_shape = t.device_mesh.shape
         replicated = any(isinstance(p, Replicate) and mesh_shape[i] > 1
                          for i, p in enumerate(placements))
+        coord = t.device_mesh.get_coordinate()
+        split = None if coord is None else MeshSplit(
+            mesh=list(mesh_shape), coord=list(coord),
+            dims=[p.dim if isinstance(p, Shard) else None for p in placements])
         return PieceMeta(global_shape=list(t.shape), offsets=list(offset), lengths=list(shape),
-                         dtype=_dtype_name(t), replicated=replicated)
+                         dtype=_dtype_name(t), replicated=replicated, split=split)
     if isinstance(t, torch.Tensor):
         return PieceMeta(global_shape=list(t.shape), offsets=[0] * t.dim(),
                          lengths=list(t.shape), dtype=_dtype_name(t), replicated=True)

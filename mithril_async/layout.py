@@ -3,6 +3,13 @@
 Keys are relative to the store root, which is the parent of ``runs_path``; the first key
 component is the runs folder's name (``runs/<run_id>/versions/v000001/manifest.json``), so the
 same keys work as local paths and as S3 object keys under a prefix.
+
+A version's per-rank files (shards, RNG files, lossy blobs) sit in the version folder for
+ranks 0-15 and, from rank 16 on, in a folder per group of :data:`RANKS_PER_FOLDER` ranks
+inside it (``v000001/ranks0016/opt_shard_rank0017.bin``): S3 serves about 3,500 writes per
+second per prefix, and 16 ranks writing 1 GB/s each in 8 MiB parts send about 1,900. Readers
+take every key from the manifest, so runs written before (every file in the version folder)
+read as they always did.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ from datetime import UTC, datetime
 
 from mithril_async.manifest import version_id
 from mithril_async.storage.base import check_key, join_key
+
+#: ranks whose files share one folder of a version (one S3 prefix; see the module docstring)
+RANKS_PER_FOLDER = 16
 
 
 def new_run_id() -> str:
@@ -60,15 +70,24 @@ class RunLayout:
     def model_key(self, number: int, ext: str) -> str:
         return join_key(self.version_dir(number), f"model.{ext}")
 
+    def rank_dir(self, number: int, rank: int) -> str:
+        """The folder of ``rank``'s files in version ``number``: the version folder for
+        the first :data:`RANKS_PER_FOLDER` ranks, ``ranksNNNN`` (its group's first rank)
+        inside it for the others."""
+        first = rank - rank % RANKS_PER_FOLDER
+        if first == 0:
+            return self.version_dir(number)
+        return join_key(self.version_dir(number), f"ranks{first:04d}")
+
     def shard_key(self, number: int, kind: str, rank: int) -> str:
         stem = "opt_shard" if kind == "optimizer" else f"{kind}_shard"
-        return join_key(self.version_dir(number), f"{stem}_rank{rank:04d}.bin")
+        return join_key(self.rank_dir(number, rank), f"{stem}_rank{rank:04d}.bin")
 
     def lossy_key(self, number: int, rank: int) -> str:
-        return join_key(self.version_dir(number), f"lossy_rank{rank:04d}.mldc")
+        return join_key(self.rank_dir(number, rank), f"lossy_rank{rank:04d}.mldc")
 
     def rng_key(self, number: int, rank: int) -> str:
-        return join_key(self.version_dir(number), f"rng_rank{rank:04d}.json")
+        return join_key(self.rank_dir(number, rank), f"rng_rank{rank:04d}.json")
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` lies inside this run (manifests must not point elsewhere)."""

@@ -8,22 +8,27 @@ violations and unknown schema versions into typed errors naming the file.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
+import xxhash
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from mithril_async.errors import InvalidFormat, UnknownFormatVersion
+from mithril_async.mesh_layout import mesh_box, replicated
 from mithril_async.storage.base import check_key
 
 SCHEMA_VERSION = 1
@@ -68,6 +73,21 @@ def _falsy(v: Any) -> bool:
     return not v
 
 
+def _none(v: Any) -> bool:
+    return v is None
+
+
+class MeshSplit(_Model):
+    """How a DTensor's piece arises from its device mesh (:mod:`~mithril_async.mesh_layout`):
+    the mesh's shape, per mesh dimension the tensor dimension it chunks (None: replicated
+    over it), and the saving rank's coordinate. Never written per piece: ranks whose pieces
+    all say how they arise share one :class:`PieceLayout` in the manifest instead."""
+
+    mesh: list[int] = Field(min_length=1, max_length=16)
+    dims: list[int | None] = Field(max_length=16)
+    coord: list[int] = Field(max_length=16)
+
+
 class PieceMeta(_Model):
     """Where one stored tensor sits inside its global tensor (DCP's "chunk metadata").
 
@@ -85,6 +105,8 @@ class PieceMeta(_Model):
     lengths: list[int] = Field(max_length=64)
     dtype: str = Field(max_length=32)
     replicated: bool = Field(False, exclude_if=_falsy)
+    #: how the box arises from a device mesh, when the saving rank knows it (never stored)
+    split: MeshSplit | None = Field(None, exclude=True)
 
     @field_validator("global_shape", "offsets", "lengths")
     @classmethod
@@ -105,6 +127,103 @@ class PieceMeta(_Model):
                 raise ValueError(f"dimension {d}: piece [{o}, {o + ln}) exceeds the global "
                                  f"size {g}")
         return self
+
+
+class TensorSplit(_Model):
+    """One tensor of a :class:`PieceLayout`: its global shape and dtype, and per mesh
+    dimension the tensor dimension it chunks (None: replicated over it). ``dims`` None: a
+    tensor every rank holds whole (a plain tensor such as an optimizer's step counter)."""
+
+    global_shape: list[int] = Field(max_length=64)
+    dtype: str = Field(max_length=32)
+    dims: list[int | None] | None = Field(None, max_length=16)
+
+    @model_validator(mode="after")
+    def _valid(self) -> TensorSplit:
+        if any(x < 0 for x in self.global_shape):
+            raise ValueError("negative size")
+        for d in self.dims or ():
+            if d is not None and not 0 <= d < len(self.global_shape):
+                raise ValueError(f"mesh dimension chunks tensor dimension {d} of a "
+                                 f"{len(self.global_shape)}-d tensor")
+        return self
+
+
+class PieceLayout(_Model):
+    """The pieces of one item's tensors over one device mesh, for every rank at once: a
+    rank whose blob follows this layout holds, of each tensor, the box its mesh coordinate
+    gives (:func:`~mithril_async.mesh_layout.mesh_box`). One layout serves every rank with
+    the same tensors on the same mesh (all of them, under FSDP2), so a manifest grows by one
+    coordinate per rank instead of one box per rank per tensor."""
+
+    mesh: list[int] = Field(min_length=1, max_length=16)
+    tensors: dict[str, TensorSplit]
+    _names: frozenset[str] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _fits(self) -> PieceLayout:
+        if any(n < 1 for n in self.mesh):
+            raise ValueError("a mesh dimension of size < 1")
+        for name, t in self.tensors.items():
+            if t.dims is not None and len(t.dims) != len(self.mesh):
+                raise ValueError(f"tensor {name!r}: {len(t.dims)} placements on a "
+                                 f"{len(self.mesh)}-d mesh")
+        return self
+
+    def names(self) -> frozenset[str]:
+        """The tensors this layout describes."""
+        if self._names is None:
+            self._names = frozenset(self.tensors)
+        return self._names
+
+    def piece(self, name: str, coord: Sequence[int]) -> PieceMeta:
+        """The piece of tensor ``name`` the rank at ``coord`` holds."""
+        t = self.tensors[name]
+        # built without validation: the layout was validated and mesh_box stays inside it
+        if t.dims is None:
+            n = len(t.global_shape)
+            return PieceMeta.model_construct(global_shape=t.global_shape, offsets=[0] * n,
+                                             lengths=t.global_shape, dtype=t.dtype,
+                                             replicated=True)
+        offsets, lengths = mesh_box(t.global_shape, self.mesh, t.dims, coord)
+        return PieceMeta.model_construct(global_shape=t.global_shape, offsets=list(offsets),
+                                         lengths=list(lengths), dtype=t.dtype,
+                                         replicated=replicated(self.mesh, t.dims))
+
+    def layout_id(self) -> str:
+        """Content hash naming this layout in a manifest (the same on every rank)."""
+        canon = json.dumps(self.model_dump(mode="json"), sort_keys=True,
+                           separators=(",", ":"))
+        return xxhash.xxh64_hexdigest(canon.encode())
+
+
+def compact_pieces(pieces: Mapping[str, PieceMeta]) -> tuple[PieceLayout, list[int]] | None:
+    """``pieces`` (one rank's, of one item) as a layout and this rank's mesh coordinate,
+    when every piece says how it arises from one mesh (a plain tensor held whole counts)
+    and that reproduces its box exactly; else None (the pieces are stored as they are)."""
+    mesh: list[int] | None = None
+    coord: list[int] | None = None
+    tensors: dict[str, TensorSplit] = {}
+    for name, p in pieces.items():
+        s = p.split
+        if s is None:
+            whole = not any(p.offsets) and p.lengths == p.global_shape
+            if not (whole and p.replicated):
+                return None
+            tensors[name] = TensorSplit(global_shape=p.global_shape, dtype=p.dtype)
+            continue
+        if mesh is None:
+            mesh, coord = s.mesh, s.coord
+        if s.mesh != mesh or s.coord != coord or len(s.dims) != len(mesh):
+            return None
+        box = mesh_box(p.global_shape, s.mesh, s.dims, s.coord)
+        if box != (tuple(p.offsets), tuple(p.lengths)) \
+                or replicated(s.mesh, s.dims) != p.replicated:
+            return None
+        tensors[name] = TensorSplit(global_shape=p.global_shape, dtype=p.dtype, dims=s.dims)
+    if mesh is None or coord is None:
+        return None
+    return PieceLayout(mesh=mesh, tensors=tensors), coord
 
 
 class NonFinite(_Model):
@@ -144,13 +263,64 @@ class BlobRef(_Keyed):
     #: tensor name -> where it sits in its global tensor, for sharded state;
     #: written only when there is some, so other manifests are what they were
     pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=_falsy)
+    #: instead of ``pieces``: the manifest's :class:`PieceLayout` (its ``layouts`` key) the
+    #: tensors follow, and the saving rank's coordinate on its mesh
+    layout: str | None = Field(None, pattern=r"^[0-9a-f]{16}$", exclude_if=_none)
+    coord: list[int] = Field(default_factory=list, max_length=16, exclude_if=_falsy)
     #: "<item>/<tensor>" -> its NaN / Inf counts, for each floating tensor of the blob that
     #: holds any (the non-finite guard); written only when there is one
     nonfinite: dict[str, NonFinite] = Field(default_factory=dict, exclude_if=_falsy)
+    _layout: PieceLayout | None = PrivateAttr(None)
+
+    @property
+    def has_pieces(self) -> bool:
+        """Whether the blob records where its tensors sit (explicitly or by a layout)."""
+        return bool(self.pieces) or self.layout is not None
+
+    def bind(self, layout: PieceLayout) -> None:
+        """Attach the layout this ref names (done when a manifest is validated)."""
+        self._layout = layout
+
+    def bound_layout(self) -> PieceLayout:
+        """The piece layout this ref names, as attached by its manifest."""
+        if self._layout is None:
+            raise InvalidFormat(f"{self.key}: names piece layout {self.layout} but none is "
+                                "attached (read it through its VersionManifest)")
+        return self._layout
+
+    def piece_names(self) -> frozenset[str]:
+        """The tensors whose pieces the blob records."""
+        return self.bound_layout().names() if self.layout is not None else frozenset(self.pieces)
+
+    def piece(self, name: str) -> PieceMeta | None:
+        """Where tensor ``name`` of this blob sits in its global tensor (None: not recorded)."""
+        if self.layout is None:
+            return self.pieces.get(name)
+        layout = self.bound_layout()
+        return layout.piece(name, self.coord) if name in layout.tensors else None
+
+    def piece_table(self) -> dict[str, PieceMeta]:
+        """Every recorded piece by tensor name (computed from the layout, if it has one)."""
+        if self.layout is None:
+            return dict(self.pieces)
+        layout = self.bound_layout()
+        return {name: layout.piece(name, self.coord) for name in layout.tensors}
+
+    def with_pieces(self) -> BlobRef:
+        """This ref with its pieces spelled out (for code that reads ``pieces``)."""
+        if self.layout is None:
+            return self
+        return self.model_copy(update={"pieces": self.piece_table(), "layout": None,
+                                       "coord": []})
 
 
 class ShardRef(BlobRef):
     rank: int = Field(ge=0, le=1 << 20)
+
+    def with_pieces(self) -> ShardRef:
+        out = super().with_pieces()
+        assert isinstance(out, ShardRef)
+        return out
 
 
 class RankKey(_Keyed):
@@ -232,11 +402,41 @@ class VersionManifest(_Model):
     #: only when true, so lossless manifests are what they were before the lossy tier
     has_quantization: bool = Field(False, exclude_if=_falsy)
     lossy: LossyEntry | None = Field(None, exclude_if=_falsy)
+    #: the piece layouts the blobs' ``layout`` fields name, by content hash
+    layouts: dict[str, PieceLayout] = Field(default_factory=dict, exclude_if=_falsy)
     #: a tensor holds NaN/Inf that ``nonfinite_allow`` does not allow (``nonfinite =
     #: "hold"``): the version is committed, but ``latest`` and ``best`` (and the tiers'
     #: ``latest_*``) never point at it; the blobs' ``nonfinite`` say which tensors. Written
     #: only when true
     held: bool = Field(False, exclude_if=_falsy)
+
+    @model_validator(mode="after")
+    def _bind_layouts(self) -> VersionManifest:
+        """Every blob naming a layout gets it attached; one naming a layout the manifest
+        lacks, a coordinate outside its mesh, or both a layout and explicit pieces, is
+        refused."""
+        for ref in self._piece_refs():
+            if ref.layout is None:
+                continue
+            layout = self.layouts.get(ref.layout)
+            if layout is None:
+                raise ValueError(f"{ref.key} names piece layout {ref.layout}, which the "
+                                 "manifest does not hold")
+            if ref.pieces:
+                raise ValueError(f"{ref.key} has both pieces and a piece layout")
+            if len(ref.coord) != len(layout.mesh) or any(
+                    not 0 <= c < n for c, n in zip(ref.coord, layout.mesh, strict=True)):
+                raise ValueError(f"{ref.key}: coordinate {ref.coord} is not on the "
+                                 f"{layout.mesh} mesh of its piece layout")
+            ref.bind(layout)
+        return self
+
+    def _piece_refs(self) -> Iterable[BlobRef]:
+        yield self.model
+        if self.optimizer is not None:
+            yield from self.optimizer.shards
+        for shards in self.extra.values():
+            yield from shards
 
     def blobs(self) -> list[BlobRef]:
         """Every blob this version names (model, optimizer shards, extras, lossy shards)."""
@@ -305,10 +505,32 @@ class RunManifest(_Model):
 M = TypeVar("M", bound=BaseModel)
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while metadata is parsed or built.
+
+    A manifest of thousands of ranks is tens of thousands of small models: allocating them
+    triggers a collection every few hundred objects, each scanning everything alive, which
+    doubles the time of a parse. None of them forms a cycle, so nothing is lost by
+    collecting once afterwards instead (whatever was enabled before is enabled again)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def parse_model(cls: type[M], data: bytes, where: str) -> M:
     """Parse JSON ``data`` into ``cls``; typed errors name ``where`` (a key or path)."""
     if len(data) > MAX_METADATA_BYTES:
         raise InvalidFormat(f"{where}: metadata file of {len(data)} bytes is implausibly large")
+    with gc_paused():
+        return _parse(cls, data, where)
+
+
+def _parse(cls: type[M], data: bytes, where: str) -> M:
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -332,7 +554,8 @@ def parse_model(cls: type[M], data: bytes, where: str) -> M:
 
 def dump_model(model: BaseModel) -> bytes:
     """Serialise a model as pretty JSON (stable key order, UTF-8)."""
-    return model.model_dump_json(indent=2).encode("utf-8") + b"\n"
+    with gc_paused():
+        return model.model_dump_json(indent=2).encode("utf-8") + b"\n"
 
 
 def version_id(number: int) -> str:

@@ -321,8 +321,9 @@ async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
         opened = _OpenedSource(src, skeleton,
                                tensors={n: t.contiguous() for n, t in tensors.items()})
     for name in src.runs:
+        saved = ref.piece(name)
         want = (str(p.targets[name].dtype).removeprefix("torch."),
-                tuple(ref.pieces[name].lengths))
+                tuple(saved.lengths) if saved is not None else ())
         got = found.get(name)
         if got is None:
             raise InvalidFormat(f"{p.item}: rank {src.rank}'s blob lacks tensor {name!r} its "

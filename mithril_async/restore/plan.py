@@ -32,7 +32,8 @@ import torch
 from mithril_async.codec.formats import blob_format
 from mithril_async.errors import DistributedError, ShapeMismatch
 from mithril_async.manifest import BlobRef, PieceMeta, ShardRef, VersionManifest
-from mithril_async.restore.reshard import Box, SavedPiece, copy_runs, plan_reads
+from mithril_async.restore.piece_index import PieceIndex
+from mithril_async.restore.reshard import copy_runs, plan_reads
 from mithril_async.restore.targets import CopyRuns
 
 __all__ = ["VERIFY_MODES", "BlobRead", "InPlaceTargets", "PieceSource", "PiecesRead",
@@ -229,19 +230,18 @@ def pieces_read(item: str, refs: Mapping[int, ShardRef], targets: Mapping[str, A
     """Which saved blobs of ``item`` this rank reads and the copy runs of each tensor from
     each: a live global shape other than the saved one is :class:`ShapeMismatch`, a box the
     saved pieces leave uncovered :class:`~mithril_async.errors.MissingPrevious`."""
-    sources: dict[int, PieceSource] = {min(refs): PieceSource(min(refs), refs[min(refs)])}
+    index = PieceIndex(refs)
+    first = min(refs)
+    sources: dict[int, PieceSource] = {first: PieceSource(first, index.source_ref(first))}
     for name, tgt in targets.items():
-        saved = []
-        for r, ref in refs.items():
-            p = ref.pieces.get(name)
-            if p is None:
-                continue
-            if list(p.global_shape) != list(tgt.global_shape):
-                raise ShapeMismatch(f"{item}: tensor {name!r} is {list(tgt.global_shape)} here "
-                                    f"but rank {r} saved it as part of {p.global_shape}")
-            saved.append(SavedPiece(r, Box.of(p.offsets, p.lengths), p.replicated))
-        for rd in plan_reads(f"{item}/{name}", tgt.box, saved):
-            src = sources.setdefault(rd.rank, PieceSource(rd.rank, refs[rd.rank]))
+        other = index.shape_mismatch(name, tgt.global_shape)
+        if other is not None:
+            raise ShapeMismatch(f"{item}: tensor {name!r} is {list(tgt.global_shape)} here "
+                                f"but rank {other[0]} saved it as part of {other[1]}")
+        for rd in plan_reads(f"{item}/{name}", tgt.box, index.overlapping(name, tgt.box)):
+            if rd.rank not in sources:
+                sources[rd.rank] = PieceSource(rd.rank, index.source_ref(rd.rank))
+            src = sources[rd.rank]
             runs = copy_runs(rd.src, tgt.box, rd.overlap, tgt.local.element_size())
             src.runs[name] = CopyRuns.of(runs, tgt.local)
     return PiecesRead(item, tuple(sources[r] for r in sorted(sources)), targets)
@@ -269,12 +269,18 @@ def _check_world_size(m: VersionManifest, model_only: bool, rank: int, world_siz
 def _merged_pieces(shards: Sequence[ShardRef]) -> dict[str, PieceMeta] | None:
     """Every tensor's piece (global shape, dtype) of a per-rank item, when every rank
     recorded pieces for the same tensors; None when the item cannot be resharded."""
-    if not shards or any(not s.pieces for s in shards):
+    if not shards or any(not s.has_pieces for s in shards):
         return None
-    names = set(shards[0].pieces)
-    if any(set(s.pieces) != names for s in shards):
-        return None
-    return dict(shards[0].pieces)
+    names = shards[0].piece_names()
+    seen: set[str] = set()
+    for s in shards:  # blobs of one piece layout name the same tensors: compared once
+        if s.layout is not None:
+            if s.layout in seen:
+                continue
+            seen.add(s.layout)
+        if s.piece_names() != names:
+            return None
+    return shards[0].piece_table()
 
 
 def _same_boxes(targets: dict[str, Any], shards: Sequence[ShardRef], rank: int) -> bool:
@@ -283,7 +289,7 @@ def _same_boxes(targets: dict[str, Any], shards: Sequence[ShardRef], rank: int) 
     if mine is None:
         return False
     for name, t in targets.items():
-        p = mine.pieces.get(name)
+        p = mine.piece(name)
         if p is None or (tuple(p.offsets), tuple(p.lengths)) != (t.box.offsets, t.box.lengths):
             return False
     return True

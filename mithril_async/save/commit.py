@@ -33,6 +33,7 @@ from mithril_async.manifest import (
     dump_model,
     utcnow,
     version_id,
+    version_number,
 )
 from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.results import SaveResult
@@ -40,6 +41,7 @@ from mithril_async.retention import apply_retention
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import depends_on
 from mithril_async.save.nonfinite import blocking, describe, failure
+from mithril_async.storage.capabilities import sizes_under
 
 __all__ = ["VersionCommit"]
 
@@ -124,24 +126,35 @@ class VersionCommit:
         sizes = {b.key: b.bytes for b in manifest.blobs()}
         sizes |= {p.rng_key: p.rng_bytes for p in parts
                   if p.rng_key is not None and p.rng_bytes is not None}
-
-        async def check(key: str, expected: int) -> None:
-            try:
-                size = await ctx.store.size(key)
-            except KeyNotFound:
+        # a store that lists sizes answers for the whole version folder in a few listings;
+        # any other store, and any key outside the folder, is asked key by key
+        folder = ctx.layout.version_dir(version_number(manifest.version_id)) + "/"
+        listed = await sizes_under(ctx.store, folder)
+        found: dict[str, int | None] = dict(listed or {})
+        asked = [k for k in sizes if listed is None or not k.startswith(folder)]
+        found.update(zip(asked, await asyncio.gather(*(self._size(k) for k in asked)),
+                         strict=True))
+        for key, expected in sizes.items():
+            size = found.get(key)
+            if size is None:
                 raise ClaimLost(f"{key} of {manifest.version_id} was removed before its commit "
-                                "(by another process); nothing is published") from None
+                                "(by another process); nothing is published")
             if size != expected:
                 raise ClaimLost(f"{key} of {manifest.version_id} has {size} bytes, "
                                 f"{expected} were written; nothing is published")
-
-        await asyncio.gather(*(check(k, n) for k, n in sizes.items()))
         gone = await ctx.catalog.missing_bases(depends_on(manifest.blobs()))
         if gone:
             names = ", ".join(sorted(f"{b.version_id} ({b.key})" for b in gone))
             raise MissingPrevious(f"{manifest.version_id} needs {names}, deleted by another "
                                   "process before the commit; nothing is published and the "
                                   "next save is a keyframe")
+
+    async def _size(self, key: str) -> int | None:
+        """``key``'s size, None when it is gone."""
+        try:
+            return await self.ctx.store.size(key)
+        except KeyNotFound:
+            return None
 
     async def _build_manifest(self, number: int, res: SaveResult, parts: list[RankPart],
                               metrics: dict[str, Any]) -> VersionManifest:
@@ -175,6 +188,7 @@ class VersionCommit:
             stats=SaveStats(stall_s=res.stall_s, bytes_in=sum(p.bytes_in for p in parts),
                             bytes_out=sum(p.bytes_out for p in parts)),
             has_quantization=quantized, lossy=lossy,
+            layouts={lid: lay for p in parts for lid, lay in p.layouts.items()},
         )
 
     async def _config_ref(self) -> BlobRef:
@@ -205,6 +219,7 @@ class VersionCommit:
         """After the manifest is durable: aliases, run manifest, retention."""
         ctx = self.ctx
         cfg = ctx.config.checkpointing
+        ctx.catalog.remember(key, manifest)  # listed below: not read back and parsed again
         await ctx.catalog.move_latest(manifest, key)
         await ctx.catalog.move_best(manifest, key, cfg.best_metric_name, cfg.best_mode)
         # one listing serves run.json and retention (the run is listed once more at claim)

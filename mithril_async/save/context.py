@@ -107,12 +107,27 @@ class SaveContext:
         return chain
 
     async def discard(self, number: int) -> None:
-        """Remove whatever an aborted save left in its version folder."""
+        """Remove what an aborted save left in its version folder: rank 0 everything in it,
+        any other rank its own files (every rank listing and deleting every rank's files
+        would cost the store ranks x ranks requests). What a rank cannot remove (temp files,
+        another rank's files when rank 0 is gone) the next start's cleanup removes."""
         try:
+            if self.rank != 0:
+                errors = await self.catalog.delete_keys(
+                    [self.layout.shard_key(number, name, self.rank) for name in self.state]
+                    + [self.layout.rng_key(number, self.rank),
+                       self.layout.lossy_key(number, self.rank)])
+                if errors:
+                    raise errors[0]
+                return
             keys = await self.store.list(self.layout.version_dir(number) + "/")
             # a manifest that landed before its commit failed goes first: never a manifest
             # without its blobs, even if this cleanup is cut short
-            for key in sorted(keys, key=lambda k: not k.endswith("/manifest.json")):
-                await self.store.delete(key)
+            manifest = self.layout.manifest_key(number)
+            if manifest in keys:
+                await self.store.delete(manifest)
+            errors = await self.catalog.delete_keys(k for k in keys if k != manifest)
+            if errors:
+                raise errors[0]
         except Exception as err:  # the next start cleans what remains
             log.warning("could not clean aborted version %s: %r", version_id(number), err)

@@ -64,6 +64,25 @@ class RemoteReads(Protocol):
 
 
 @runtime_checkable
+class SizedListing(Protocol):
+    """A store that lists keys with their sizes in one pass (an S3 listing carries them, a
+    directory scan has them): checking that the thousands of files of a version are all
+    present with their sizes then costs a few listings, not a request per file."""
+
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` (as :meth:`Store.list`) with its size in bytes."""
+        ...
+
+
+async def sizes_under(store: object, prefix: str) -> dict[str, int] | None:
+    """``store.list_sizes(prefix)`` where the store can (:class:`SizedListing`), else None:
+    the caller asks each key's size instead."""
+    if not isinstance(store, SizedListing):
+        return None
+    return await store.list_sizes(prefix)
+
+
+@runtime_checkable
 class BoundedConcurrency(Protocol):
     """A store that serves at most ``max_concurrency`` requests at once."""
 

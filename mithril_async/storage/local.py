@@ -454,6 +454,27 @@ class LocalStore:
 
         return await self._run("list", norm or ".", list_keys, reading=True, path=self.root)
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` with its size, from one directory walk
+        (:class:`~mithril_async.storage.capabilities.SizedListing`)."""
+        norm = check_prefix(prefix)
+
+        def list_with_sizes(_: str) -> dict[str, int]:
+            self._check_prefix_dir(norm)
+            top = os.path.join(self.root, norm) if norm else self.root
+            out: dict[str, int] = {}
+            if norm and os.path.isfile(top) and not os.path.islink(top):
+                out[norm] = os.stat(top, follow_symlinks=False).st_size
+            for key, entry in self._walk(top, norm):
+                try:
+                    out[check_key(key)] = entry.stat(follow_symlinks=False).st_size
+                except (UnsafeKey, FileNotFoundError):
+                    continue
+            return {k: out[k] for k in sorted(out) if key_in_prefix(k, norm)}
+
+        return await self._run("list", norm or ".", list_with_sizes, reading=True,
+                               path=self.root)
+
     async def list_dir(self, prefix: str) -> DirListing:
         norm = check_prefix(prefix)
 

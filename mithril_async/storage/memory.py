@@ -166,6 +166,14 @@ class MemoryStore:
         await self._step("list", norm)
         return sorted(k for k in self._data if key_in_prefix(k, norm))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` with its size (:class:`~mithril_async.storage.
+        capabilities.SizedListing`)."""
+        norm = check_prefix(prefix)
+        await self._step("list_sizes", norm)
+        return dict(sorted((k, len(v[0])) for k, v in self._data.items()
+                           if key_in_prefix(k, norm)))
+
     async def list_dir(self, prefix: str) -> DirListing:
         norm = check_prefix(prefix)
         await self._step("list_dir", norm)

@@ -298,6 +298,24 @@ class StoreTests:
 
         run(factory, body)
 
+    def test_list_sizes_is_list_with_each_size(self, factory: StoreFactory) -> None:
+        """A store with a sized listing (``SizedListing``) gives exactly what ``list`` and
+        ``size`` give, under the same prefix rules; others are left alone."""
+        from mithril_async.storage.capabilities import SizedListing
+
+        keys = {"v/a.bin": 3, "v/r16/b.bin": 0, "v/r16/c.json": 17, "vx/d": 1, "w/e": 2}
+
+        async def body(s: Store) -> None:
+            if not isinstance(s, SizedListing):
+                pytest.skip("this store has no sized listing")
+            await asyncio.gather(*(s.put(k, b"x" * n) for k, n in keys.items()))
+            for prefix in ("", "v", "v/", "v/r16", "v/a.bin", "nothing/"):
+                want = {k: await s.size(k) for k in await s.list(prefix)}
+                assert await s.list_sizes(prefix) == want, prefix
+            assert list(await s.list_sizes("v")) == ["v/a.bin", "v/r16/b.bin", "v/r16/c.json"]
+
+        run(factory, body)
+
     def test_list_dir_folders_exist_only_with_keys(self, factory: StoreFactory) -> None:
         async def body(s: Store) -> None:
             await s.put("keep", b"k")

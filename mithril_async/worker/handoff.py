@@ -53,7 +53,11 @@ def tensor_of(doc: list[Any]) -> tuple[str, torch.dtype, tuple[int, ...], Buffer
 
 
 def pieces_doc(pieces: dict[str, dict[str, PieceMeta]]) -> dict[str, Any]:
-    return {item: {n: p.model_dump(mode="json") for n, p in ps.items()}
+    """The pieces with how each arose from its mesh (``split``, which manifests never hold:
+    the worker's part needs it to store the pieces as a shared piece layout)."""
+    return {item: {n: {**p.model_dump(mode="json"),
+                       "split": None if p.split is None else p.split.model_dump(mode="json")}
+                   for n, p in ps.items()}
             for item, ps in pieces.items()}
 
 

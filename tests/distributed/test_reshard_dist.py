@@ -6,7 +6,6 @@ raises before anything is written."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from mithril_async.manifest import ShardRef, VersionManifest, parse_model
 from tests.distributed._reshard_worker import run_rank
 from tests.ranks import launch_ranks
 
@@ -110,12 +110,23 @@ def test_four_2d_uncompressed_to_two_and_bad_input(tmp_path: Path, from_four: An
     runs, dcp_dir, saved = from_four
     got = _restore(tmp_path, runs, dcp_dir, 2, bad=True)
     _check(got, saved)
-    manifest = json.loads((runs / "rs" / "versions" / "v000001" / "manifest.json").read_text())
-    pieces = {s["rank"]: s["pieces"] for s in manifest["extra"]["model"]}
+    path = runs / "rs" / "versions" / "v000001" / "manifest.json"
+    manifest = parse_model(VersionManifest, path.read_bytes(), str(path))
+    assert manifest.optimizer is not None
+    refs = manifest.extra["model"] + manifest.optimizer.shards
+    # the DTensors' pieces are stored as piece layouts (torch's boxes, reproduced by the
+    # mesh arithmetic on every rank), not one box per rank per tensor
+    assert all(r.layout is not None and not r.pieces for r in refs)
+    assert len(manifest.layouts) == 2
+
+    def table(ref: ShardRef) -> dict[str, Any]:
+        return {n: p.model_dump(mode="json") for n, p in ref.piece_table().items()}
+
+    pieces = {s.rank: table(s) for s in manifest.extra["model"]}
     assert pieces[2]["w0"] == {"global_shape": [7, 6], "offsets": [4, 0], "lengths": [3, 3],
                                "dtype": "float32"}
     assert pieces[1]["w1"]["replicated"] is True  # Replicate on mesh dim 0
-    opt = {s["rank"]: s["pieces"] for s in manifest["optimizer"]["shards"]}
+    opt = {s.rank: table(s) for s in manifest.optimizer.shards}
     assert opt[3]["state/w0/exp_avg"]["offsets"] == [4, 3]
     assert opt[3]["state/w0/step"] == {"global_shape": [], "offsets": [], "lengths": [],
                                        "dtype": "float32", "replicated": True}

@@ -391,8 +391,11 @@ class S3Store:
             raise self.error(exc, op, norm) from exc
 
     async def list(self, prefix: str) -> list[str]:
-        norm = check_prefix(prefix)
-        keys: list[str] = []
+        return sorted(key for key, _ in await self._objects(check_prefix(prefix)))
+
+    async def _objects(self, norm: str) -> builtins.list[tuple[str, int]]:
+        """(key, size) of every object under the normalised prefix ``norm`` that is a key."""
+        out = []
         pages = await self._pages("list", norm, "list_objects_v2", Prefix=self._list_prefix(norm))
         for page in pages:
             for obj in page.get("Contents", []):
@@ -400,8 +403,13 @@ class S3Store:
                 if rel is None or not key_in_prefix(rel, norm):
                     continue
                 with contextlib.suppress(UnsafeKey):
-                    keys.append(check_key(rel))
-        return sorted(keys)
+                    out.append((check_key(rel), int(obj["Size"])))
+        return out
+
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` with its size, from the listing's own ``Size``
+        (:class:`~mithril_async.storage.capabilities.SizedListing`)."""
+        return dict(sorted(await self._objects(check_prefix(prefix))))
 
     async def list_dir(self, prefix: str) -> DirListing:
         """One delimited listing: the keys directly in the folder and its common prefixes.
