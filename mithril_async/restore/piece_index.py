@@ -28,19 +28,19 @@ class _LayoutRanks:
     """The saved ranks following one piece layout, by mesh coordinate."""
 
     layout: PieceLayout
-    by_coord: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: the lowest rank at each coordinate
+    by_coord: dict[tuple[int, ...], int]
     #: the lowest rank of the layout (it holds every piece that every rank holds)
-    first: int = -1
+    first: int
     #: per set of mesh dimensions that chunk a tensor: the lowest rank at each coordinate
     #: of those dimensions (the others replicate the piece)
     lowest: dict[tuple[int, ...], dict[tuple[int, ...], int]] = field(default_factory=dict)
 
-    def add(self, coord: Sequence[int], rank: int) -> None:
-        key = tuple(coord)
-        if key not in self.by_coord or rank < self.by_coord[key]:
-            self.by_coord[key] = rank
-        if self.first < 0 or rank < self.first:
-            self.first = rank
+    @classmethod
+    def of(cls, layout: PieceLayout, ranks: Sequence[tuple[int, ShardRef]]) -> _LayoutRanks:
+        """``ranks``: (rank, ref) of every blob following ``layout``, lowest rank first."""
+        by_coord = {tuple(ref.coord): rank for rank, ref in reversed(ranks)}  # lowest wins
+        return cls(layout, by_coord, ranks[0][0])
 
     def lowest_at(self, cut: tuple[int, ...], at: tuple[int, ...]) -> int | None:
         table = self.lowest.get(cut)
@@ -56,8 +56,7 @@ class _LayoutRanks:
             self.lowest[cut] = table
         return table.get(at)
 
-    def pieces(self, name: str, need: Box, coord_of: Mapping[int, Sequence[int]]
-               ) -> list[SavedPiece]:
+    def pieces(self, name: str, need: Box, refs: Mapping[int, ShardRef]) -> list[SavedPiece]:
         t = self.layout.tensors.get(name)
         if t is None:
             return []
@@ -72,7 +71,7 @@ class _LayoutRanks:
             rank = self.lowest_at(cut, tuple(sel[i] for i in cut))
             if rank is None:  # no saved rank holds it: the coverage check names the hole
                 continue
-            offsets, lengths = mesh_box(shape, mesh, t.dims, coord_of[rank])
+            offsets, lengths = mesh_box(shape, mesh, t.dims, refs[rank].coord)
             out.append(SavedPiece(rank, Box(offsets, lengths), rep))
         return out
 
@@ -82,21 +81,17 @@ class PieceIndex:
 
     def __init__(self, refs: Mapping[int, ShardRef]) -> None:
         self.refs = refs
-        self._layouts: dict[str, _LayoutRanks] = {}
-        self._coords: dict[int, Sequence[int]] = {}
         #: ranks whose blobs list their pieces one by one
         self._listed: list[int] = []
+        groups: dict[str, list[tuple[int, ShardRef]]] = {}
         for rank in sorted(refs):
             ref = refs[rank]
-            if ref.layout is None:
-                if ref.pieces:
-                    self._listed.append(rank)
-                continue
-            group = self._layouts.get(ref.layout)
-            if group is None:
-                group = self._layouts[ref.layout] = _LayoutRanks(ref.bound_layout())
-            group.add(ref.coord, rank)
-            self._coords[rank] = ref.coord
+            if ref.layout is not None:
+                groups.setdefault(ref.layout, []).append((rank, ref))
+            elif ref.pieces:
+                self._listed.append(rank)
+        self._layouts = {lid: _LayoutRanks.of(ranks[0][1].bound_layout(), ranks)
+                         for lid, ranks in groups.items()}
 
     def shape_mismatch(self, name: str, global_shape: Sequence[int]
                        ) -> tuple[int, list[int]] | None:
@@ -119,7 +114,7 @@ class PieceIndex:
         checks that they tile it)."""
         out: list[SavedPiece] = []
         for group in self._layouts.values():
-            out += group.pieces(name, need, self._coords)
+            out += group.pieces(name, need, self.refs)
         for rank in self._listed:
             p = self.refs[rank].pieces.get(name)
             if p is None:

@@ -31,7 +31,7 @@ import torch
 
 from mithril_async.codec.formats import blob_format
 from mithril_async.errors import DistributedError, ShapeMismatch
-from mithril_async.manifest import BlobRef, PieceMeta, ShardRef, VersionManifest
+from mithril_async.manifest import BlobRef, PieceMeta, ShardRef, VersionManifest, gc_paused
 from mithril_async.restore.piece_index import PieceIndex
 from mithril_async.restore.reshard import copy_runs, plan_reads
 from mithril_async.restore.targets import CopyRuns
@@ -120,6 +120,7 @@ class RestorePlan:
         return list(dict.fromkeys(out))
 
 
+@gc_paused()  # thousands of small objects and no cycle among them: collected once after
 def make_plan(m: VersionManifest, *, rank: int = 0, world_size: int | None = None,
               items: Collection[str] | None = None, rng: bool = True,
               reshard: ReshardTargets | None = None, in_place: InPlaceTargets | None = None,
@@ -269,15 +270,17 @@ def _check_world_size(m: VersionManifest, model_only: bool, rank: int, world_siz
 def _merged_pieces(shards: Sequence[ShardRef]) -> dict[str, PieceMeta] | None:
     """Every tensor's piece (global shape, dtype) of a per-rank item, when every rank
     recorded pieces for the same tensors; None when the item cannot be resharded."""
-    if not shards or any(not s.has_pieces for s in shards):
+    if not shards:
         return None
     names = shards[0].piece_names()
     seen: set[str] = set()
     for s in shards:  # blobs of one piece layout name the same tensors: compared once
+        if s.layout in seen:
+            continue
         if s.layout is not None:
-            if s.layout in seen:
-                continue
             seen.add(s.layout)
+        elif not s.pieces:
+            return None
         if s.piece_names() != names:
             return None
     return shards[0].piece_table()
