@@ -408,7 +408,12 @@ class LocalStore:
                 if os.path.isdir(path):  # Linux reports EPERM for unlink() of a directory
                     return
                 raise
-            self._sync_dir(os.path.dirname(path))
+            try:
+                self._sync_dir(os.path.dirname(path))
+            except FileNotFoundError:
+                # a concurrent delete of the folder's last other file removed the emptied
+                # folder: nothing is left to sync (deletes of one version run concurrently)
+                return
             self._prune(os.path.dirname(path))
 
         await self._run("delete", key, delete, reading=False)

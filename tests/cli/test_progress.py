@@ -176,7 +176,7 @@ def test_json_and_quiet_print_the_same_on_a_terminal(
     args = [a.replace("{W}", str(work)) for a in _cases()[name].args]
     for flag in ("--json", "--quiet"):
         rc, out, err = _reference([*args, flag], pristine, work, capsys)
-        assert (rc, err) == (0, "")
+        assert (rc, err) == (0, ""), terminal_stderr()  # stderr is the terminal here
         assert bool(out) == (flag == "--json")
         _fresh(pristine, work)
         assert terminal_stderr() == ""

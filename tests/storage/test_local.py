@@ -215,6 +215,29 @@ def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     asyncio.run(body())
 
 
+def test_delete_whose_folder_a_concurrent_delete_removed(tmp_path: Path) -> None:
+    """Deletes of a folder's last two files at once (a version's files go concurrently):
+    the one whose folder the other emptied and pruned between its unlink and its directory
+    sync succeeds."""
+    async def body() -> None:
+        s = LocalStore(tmp_path)
+        await s.put("v/a", b"1")
+        await s.put("v/b", b"2")
+        real, folder = s._sync_dir, str(tmp_path / "v")
+
+        def racing(path: str) -> None:
+            if path == folder and os.path.isdir(path):  # the other delete, right here
+                os.unlink(os.path.join(path, "b"))
+                os.rmdir(path)
+            real(path)
+
+        s._sync_dir = racing  # type: ignore[method-assign]
+        await s.delete("v/a")
+        assert not (tmp_path / "v").exists()
+
+    asyncio.run(body())
+
+
 def _raise_enospc(*_args: object, **_kwargs: object) -> int:
     raise OSError(errno.ENOSPC, "No space left on device")
 
