@@ -270,7 +270,7 @@ class MithrilTrainerCallback(TrainerCallback):
             due = state.global_step % self.every_n_steps == 0
         else:
             due = control.should_save  # the Trainer's save_strategy decided (steps, end)
-        self._report_saves(state)
+        self._report_saves(state, control)
         self._take_over(control, self._signal_due(state, control) or due)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
@@ -310,15 +310,19 @@ class MithrilTrainerCallback(TrainerCallback):
             control.should_training_stop = True
         return mgr.preemption.due(state.global_step)
 
-    def _report_saves(self, state: TrainerState) -> None:
+    def _report_saves(self, state: TrainerState, control: TrainerControl | None = None) -> None:
         """Log the saves that ended since the last call through the Trainer (training
-        thread)."""
+        thread). ``Trainer.log`` clears ``control.should_log`` (it thinks it just logged the
+        step): it is put back, or the step's own loss entry would never be logged."""
+        should_log = control.should_log if control is not None else False
         while self._ended:
             logs = save_metrics(self._ended.popleft())
             if self.trainer is not None:
                 self.trainer.log(logs)
             else:
                 state.log_history.append({**logs, "step": state.global_step})
+        if control is not None:
+            control.should_log = should_log
 
     # ---------------------------------------------------------------- resume
     def _materialize(self, args: TrainingArguments, target: str | int) -> None:

@@ -155,6 +155,8 @@ def test_minilm_killed_mid_run_resumes_with_the_hf_idiom(tmp_path: Path) -> None
     doc = json.loads((resumed / "result.json").read_text())
     steps = [e for e in doc["log_history"] if "loss" in e]
     assert [e["step"] for e in steps] == list(range(1, 9))  # step 3's entry included
+    # our checkpoint/* entries never take the place of a step's loss entry
+    assert [e["step"] for e in ref_doc["log_history"] if "loss" in e] == list(range(1, 9))
     assert steps == [e for e in ref_doc["log_history"] if "loss" in e]
     info = doc["resume_info"]
     assert info["step"] == 3 and info["removed"] is True
