@@ -471,8 +471,10 @@ class CheckpointManager:
         job = SaveJob(self._ctx, step, t0)
         for snap in self._snapshot(job):
             await snap.wait()
-        handle = self._submit(job, metrics, waited)
+        handle, handoff = self._submit(job, metrics, waited)
         await job.consumed()  # streamed (host_memory_mib): until its chunks are copied out
+        if handoff is not None:
+            await asyncio.wrap_future(handoff)
         return handle
 
     def save_nowait(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
@@ -491,8 +493,10 @@ class CheckpointManager:
         job = SaveJob(self._ctx, step, t0)
         for snap in self._snapshot(job):
             snap.wait_blocking()
-        handle = self._submit(job, metrics, waited)
+        handle, handoff = self._submit(job, metrics, waited)
         job.wait_consumed()  # streamed (host_memory_mib): until its chunks are copied out
+        if handoff is not None:
+            handoff.result()
         return handle
 
     def _begin(self, step: int) -> None:
@@ -534,12 +538,20 @@ class CheckpointManager:
         self._guard.wait()
         return self._guard.pointers()
 
-    def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None,
-                waited: float) -> SaveHandle:
+    def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None, waited: float
+                ) -> tuple[SaveHandle, concurrent.futures.Future[None] | None]:
+        """Start the save's background part; also return, in worker mode with the worker
+        already up, a future done once the save is handed to the worker: ``save()`` returns
+        after it, so a trainer killed from then on does not take the save with it. (The
+        first save does not wait for the worker's start-up: it is handed over from the
+        background once the worker is ready.)"""
         res = job.begin(metrics, waited)
         if self.preemption is not None:
             self.preemption.submitted(job.step)
+        handoff = None
         if self._worker is not None and job.snap.stream is None:
+            if self._worker.ready:
+                handoff = self._worker.expect_handoff()
             self._worker.start()  # the first save (or the first after a worker died)
             run = self._worker.run(job, dict(metrics or {}))
         else:  # inline (a streamed save in worker mode too: its chains restart)
@@ -547,7 +559,7 @@ class CheckpointManager:
                 self._worker.reset_chains()
             run = job.run()
         self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))
-        return self._handle
+        return self._handle, handoff
 
     async def wait_until_finished(self) -> None:
         """Wait for the in-flight save and its listeners; raise :class:`SaveFailed` if it

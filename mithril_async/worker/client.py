@@ -79,6 +79,22 @@ class WorkerClient:
         self._ready: concurrent.futures.Future[Any] | None = None
         #: the chains were reset since the worker last heard (a restore)
         self._reset_pending = False
+        #: done once the save in flight is written to the worker's socket (or failed before):
+        #: from then on that save survives the trainer's death
+        self._sent: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._sent.set_result(None)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a started worker has finished its set-up."""
+        return self.alive and self._ready is not None and self._ready.done()
+
+    def expect_handoff(self) -> concurrent.futures.Future[None]:
+        """A future done once the next :meth:`run` has handed its save to the worker (or
+        failed before): a caller that waits for it knows the save no longer depends on the
+        training process."""
+        self._sent = concurrent.futures.Future()
+        return self._sent
 
     @property
     def pid(self) -> int | None:
@@ -159,6 +175,8 @@ class WorkerClient:
         try:
             return await self._run(job, res, metrics)
         finally:
+            if not self._sent.done():
+                self._sent.set_result(None)
             job.snap.close()
 
     async def _run(self, job: SaveJob, res: SaveResult, metrics: dict[str, Any]
@@ -176,6 +194,8 @@ class WorkerClient:
             msg = self._describe(job, res, metrics)
             msg["segments"] = [[i, n] for i, _, n in segments]
             reply = channel.call("save", msg, [fd for _, fd, _ in segments])
+            if not self._sent.done():
+                self._sent.set_result(None)
             if job.snap.overlap is not None:
                 await self._report_overlap(job, channel)
             answer = await asyncio.wrap_future(reply)
