@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mithril_async import CheckpointManager, SaveFailed, StorageError
+from mithril_async.retention import from_config, plan_deletions
 from mithril_async.storage import local as local_mod
 from mithril_async.storage.memory import MemoryStore
 from tests.faults._common import (
@@ -75,6 +76,12 @@ def _fault_loop(m: CheckpointManager, model: Net, counter: Counter, arm: Any,
             assert step in m.all_steps() and m.latest_step() == step, f"call {n}: {where}"
             check((step,))
             swallowed += 1
+            # the next save retries retention: without it, versions would pile up and each
+            # save's calls before retention grow with them (one lookup per version folder)
+            step += 1
+            assert _save(m, model, counter, step) is None, f"save after fault {n} failed"
+            left = m._bg(plan_deletions(m.catalog, from_config(m.cfg)))
+            assert left == [], f"retention not retried: {[v.step for v in left]}"
             good = step
             continue
         assert isinstance(err, StorageError) and err.errno == code, repr(err)
