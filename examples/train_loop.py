@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         manager.wait()
         run_id = manager.run_id
         kept = manager.all_steps()
+        where = ("in a checkpoint worker process" if manager.process == "worker"
+                 else "on threads of the training process")
     train_s = time.perf_counter() - t0
     print(f"trained {args.steps} steps in {train_s:.1f} s; kept versions at steps {kept}")
+    print(f"saves ran {where}")
     if rows:
         stall = sum(r.stall_s + r.step_wait_s for r in rows) / len(rows)
         print(f"mean stall {stall * 1e3:.1f} ms per save; mean ratio "

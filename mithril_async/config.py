@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import re
 import signal
 import tomllib
@@ -114,8 +115,23 @@ class PipelineConfig(_Strict):
     #: "inline", threads of the training process. Saves of a configuration a worker cannot
     #: serve (the lossy tier, tiers, a store/coordinator/retention object passed to the
     #: manager, a save streamed under host_memory_mib) run inline; the manager logs why and
-    #: says so in ``manager.process``
-    process: Literal["worker", "inline"] = "inline"
+    #: says so in ``manager.process``. The default is "worker" (a busy training thread and
+    #: the save no longer slow each other through the GIL: docs/BENCHMARKS.md); the
+    #: environment variable ``MITHRIL_PROCESS`` changes the default only
+    process: Literal["worker", "inline"] = Field(default_factory=lambda: default_process())
+
+
+def default_process() -> Literal["worker", "inline"]:
+    """The default of ``[checkpointing.pipeline] process``: "worker", or what the environment
+    variable ``MITHRIL_PROCESS`` says ("worker" / "inline"; e.g. for a platform or a test
+    suite where starting a process per manager is unwanted). A key in the configuration
+    always wins; any other value of the variable is refused, never ignored."""
+    value = os.environ.get("MITHRIL_PROCESS", "").strip().lower()
+    if value in ("", "worker"):
+        return "worker"
+    if value == "inline":
+        return "inline"
+    raise ConfigError(f"MITHRIL_PROCESS={value!r}: expected 'worker' or 'inline'")
 
 
 def min_host_memory(chunk_mib: float) -> int:

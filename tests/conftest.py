@@ -6,6 +6,10 @@
   keeps Hypothesis' own defaults.
 - ``make_config``: the manager tests' config factory, for tests outside tests/manager that
   build a real manager (tests/pipeline, test_retention.py).
+- ``MITHRIL_PROCESS=inline`` (unless set already): saves run in the test process by default,
+  so that each of the suite's many managers does not start a worker process. The worker is
+  tested where a test asks for it by the key (tests/worker, the manager suites parametrized
+  over both modes); tests/test_readme.py runs the README's commands with the real default.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, settings
+
+os.environ.setdefault("MITHRIL_PROCESS", "inline")
 
 from tests.manager.conftest import make_config  # noqa: F401
 

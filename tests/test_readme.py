@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from pydantic import BaseModel
 
 from mithril_async.config import CheckpointingConfig, parse_config
@@ -27,7 +28,9 @@ def _keys(model: type[BaseModel], prefix: str) -> set[str]:
     return out
 
 
-def test_readme_config_reference_is_complete_and_shows_defaults() -> None:
+def test_readme_config_reference_is_complete_and_shows_defaults(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MITHRIL_PROCESS", raising=False)  # the real defaults
     text = _reference()
     cfg = parse_config(text).checkpointing
     # every key appears, set or commented out

@@ -328,6 +328,8 @@ class WorkerClient:
 def worker_unsupported(config: Config) -> str | None:
     """Why saves of this configuration cannot run in a worker (None: they can)."""
     cfg = config.checkpointing
+    if not hasattr(os, "memfd_create"):
+        return "this platform has no memfd_create (the staged snapshot's shared memory)"
     if cfg.lossy.enabled:
         return "the lossy tier keeps its reconstruction in the training process"
     if cfg.tiers is not None:

@@ -57,3 +57,25 @@ def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_process_defaults_to_the_worker_and_the_environment_changes_only_the_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mithril_async.config import config_from_dict
+    from mithril_async.errors import ConfigError
+
+    def process(pipeline: dict[str, str]) -> str:
+        cfg = config_from_dict({"checkpointing": {"pipeline": pipeline}})
+        return cfg.checkpointing.pipeline.process
+
+    monkeypatch.delenv("MITHRIL_PROCESS", raising=False)
+    assert process({}) == "worker"
+    monkeypatch.setenv("MITHRIL_PROCESS", "inline")
+    assert process({}) == "inline"
+    assert process({"process": "worker"}) == "worker"  # the key wins
+    monkeypatch.setenv("MITHRIL_PROCESS", " Worker ")
+    assert process({"process": "inline"}) == "inline"
+    assert process({}) == "worker"
+    monkeypatch.setenv("MITHRIL_PROCESS", "threads")
+    with pytest.raises(ConfigError, match="MITHRIL_PROCESS='threads'"):
+        process({})
