@@ -632,6 +632,7 @@ class CheckpointManager:
         return await self._reader.read_version(
             target, rank=self.rank, world_size=self.world_size, fallback=fallback,
             items={"model"} if load == "model" else None, rng=load != "model",
+            all_rank_states=any(not isinstance(obj, Stateful) for obj in self.state.values()),
             reshard=self.reshard_targets, in_place=self._in_place_targets,
             verify=verify or self.cfg.restore.verify)
 

@@ -352,6 +352,22 @@ def _plan_work(saved_world: int, world: int, rank: int) -> list[int]:
     return seen
 
 
+def test_a_reshard_reads_every_saved_ranks_state_file_only_for_data_loader_states() -> None:
+    m = _manifest(64)
+
+    def rng_ranks(world: int, rank: int, all_rank_states: bool) -> tuple[int, ...]:
+        model, opt = fsdp_state(2, mesh_for(world), rank, saved_mesh=mesh_for(64))
+        states = {"model": model, "optimizer": opt}
+        return make_plan(m, rank=rank, world_size=world, all_rank_states=all_rank_states,
+                         reshard=lambda item, pieces: states[item].reshard_targets(pieces)
+                         ).rng_ranks
+
+    assert rng_ranks(32, 5, True) == tuple(range(64))  # on_reshard gets every saved rank's
+    assert rng_ranks(32, 5, False) == (5,)
+    assert rng_ranks(128, 100, False) == (0,)  # a new rank: reseeded from the lowest
+    assert rng_ranks(64, 7, True) == (7,)  # the same layout: its own, whatever the state
+
+
 def test_a_ranks_restore_plan_looks_at_the_same_pieces_whatever_the_world_size() -> None:
     for factor, most in ((1, 1), (0.5, 2), (2, 1)):  # same world, N -> N/2, N -> 2N
         small = _plan_work(8, int(8 * factor), 1)
@@ -458,6 +474,9 @@ def test_64_ranks_save_and_restore_on_any_world_size_with_flat_costs() -> None:
             # its own pieces' blobs and the lowest rank's (the skeleton), of each item
             blobs = {k for k in counting.log.read_keys if k.endswith(".bin")}
             assert 2 <= len(blobs) <= 6, sorted(blobs)
+            # no data-loader state to map: one RNG file, its own or (a new rank) rank 0's
+            rng = {k.rsplit("/", 1)[-1] for k in counting.log.read_keys if "rng_rank" in k}
+            assert rng == {f"rng_rank{rank if rank < 64 else 0:04d}.json"}, rng
 
 
 def test_a_run_written_before_rank_folders_and_piece_layouts_restores(tmp_path: Path) -> None:

@@ -123,17 +123,21 @@ class RestorePlan:
 @gc_paused()  # thousands of small objects and no cycle among them: collected once after
 def make_plan(m: VersionManifest, *, rank: int = 0, world_size: int | None = None,
               items: Collection[str] | None = None, rng: bool = True,
+              all_rank_states: bool = True,
               reshard: ReshardTargets | None = None, in_place: InPlaceTargets | None = None,
               verify: str = "block", remote_reads: bool = False) -> RestorePlan:
     """Plan the restore of ``m`` for ``rank`` of a job of ``world_size`` ranks (None: a
     tool reading what rank ``rank`` saved). ``items``: the state items to restore (None:
-    all); ``rng``: also read the RNG/state file(s); ``reshard`` / ``in_place``: the live
-    state's targets (the manager's); ``remote_reads``: the store's reads cross a network,
-    where a blob needing two reads is decoded fresh in one verified pass instead."""
+    all); ``rng``: also read the RNG/state file(s); ``all_rank_states``: a reshard maps
+    every saved rank's data-loader states (the live state has ``get_state()`` objects), so
+    every saved rank's file is read; False: only this rank's, or the lowest saved rank's
+    for a rank that did not exist (its RNG is reseeded from it); ``reshard`` / ``in_place``:
+    the live state's targets (the manager's); ``remote_reads``: the store's reads cross a
+    network, where a blob needing two reads is decoded fresh in one verified pass instead."""
     if world_size is not None and reshard is not None:
         sharded = _pieces_targets(m, rank, world_size, items, reshard)
         if sharded is not None:
-            return _pieces_plan(m, rank, items, rng, verify, *sharded)
+            return _pieces_plan(m, rank, items, rng, all_rank_states, verify, *sharded)
     model_only = items is not None and set(items) == {"model"}
     if world_size is not None:
         _check_world_size(m, model_only, rank, world_size)
@@ -211,17 +215,21 @@ def _pieces_targets(m: VersionManifest, rank: int, world_size: int,
 
 
 def _pieces_plan(m: VersionManifest, rank: int, items: Collection[str] | None, rng: bool,
-                 verify: str, targets: dict[str, dict[str, Any]], resharded: bool
-                 ) -> RestorePlan:
+                 all_rank_states: bool, verify: str, targets: dict[str, dict[str, Any]],
+                 resharded: bool) -> RestorePlan:
     per_rank = per_rank_items(m, items)
     pieces = tuple(pieces_read(name, {s.rank: s for s in per_rank[name]}, tgts)
                    for name, tgts in targets.items())
     whole = m.model if "model" not in per_rank and (items is None or "model" in items) \
         else None
     rng_ranks: tuple[int, ...] = ()
-    if rng:  # a reshard maps every saved rank's; the same layout takes its own
-        rng_ranks = (tuple(k.rank for k in m.rng.keys) if resharded
-                     else (rank_ref(m, "rng", m.rng.keys, rank).rank,))
+    if rng and resharded and all_rank_states:  # every saved rank's states are mapped
+        rng_ranks = tuple(k.rank for k in m.rng.keys)
+    elif rng and resharded:  # its own RNG, or the lowest saved rank's to reseed from
+        saved = {k.rank for k in m.rng.keys}
+        rng_ranks = (rank if rank in saved else min(saved),)
+    elif rng:  # the same layout takes its own
+        rng_ranks = (rank_ref(m, "rng", m.rng.keys, rank).rank,)
     return RestorePlan(m, rank, verify, pieces=pieces, whole_model=whole,
                        rng_ranks=rng_ranks, resharded=resharded)
 
