@@ -136,6 +136,33 @@ class RunCatalog:
         out.sort(key=lambda m: (m.step, m.version_id))
         return out
 
+    async def committed_steps(self) -> set[int]:
+        """The steps of the committed versions, without parsing every kept manifest.
+
+        A manifest of thousands of ranks takes a noticeable part of a second to parse, and
+        every rank of a job asks this when its manager starts. ``run.json`` names each
+        version's step; it is trusted only for versions committed now (the folder listing
+        decides which) and any committed version it does not name (a run.json update lost
+        to a crash or a race, or a damaged run.json) is read from its manifest. Damaged
+        manifests are left out, as in ``versions(skip_damaged=True)``."""
+        nums = await self.version_numbers()
+        committed = {version_id(n): n for n, c in nums.items() if c}
+        known: dict[str, int] = {}
+        key = self.layout.run_manifest_key
+        with contextlib.suppress(KeyNotFound, InvalidFormat):
+            run = parse_model(RunManifest, await self.get_metadata(key), key)
+            known = {v.version_id: v.step for v in run.versions if v.version_id in committed}
+        steps = set(known.values())
+        for vid in sorted(set(committed) - set(known)):
+            mkey = self.layout.manifest_key(committed[vid])
+            try:
+                steps.add((await self.read_manifest(mkey)).step)
+            except (InvalidFormat, KeyNotFound) as err:
+                if mkey not in self._damaged:
+                    self._damaged.add(mkey)
+                    log.warning("ignoring version %s: %s", mkey, err)
+        return steps
+
     async def claim(self, bases: Iterable[str] = ()) -> Claim:
         """Reserve the next free version number (atomic put_if_absent of a claim file).
 

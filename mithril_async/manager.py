@@ -304,7 +304,7 @@ class CheckpointManager:
     async def _start(self, maintain: bool) -> None:
         if maintain:
             await self._maintain()
-        self._ctx.steps = {m.step for m in await self.catalog.versions(skip_damaged=True)}
+        self._ctx.steps = await self.catalog.committed_steps()
 
     async def _maintain(self) -> None:
         """Remove what unfinished saves of gone writers left, create the pending ``best``

@@ -179,6 +179,37 @@ def test_damaged_manifests_fail_the_listing_unless_skipped(store: Store) -> None
     run(body())
 
 
+def test_committed_steps_come_from_run_json_and_the_manifests_it_does_not_name(
+        store: Store) -> None:
+    """What a manager's start needs (the saved steps) without parsing every kept manifest:
+    run.json for the versions it names that are committed now, the manifests of the others."""
+    async def body() -> None:
+        cat = RunCatalog(store, LAY)
+        for step in (10, 20, 30):
+            await commit(cat, step)
+        await cat.update_run_manifest(None, None)  # names v1-v3
+        await commit(cat, 40)  # v4: committed after run.json was written
+        await cat.delete_version(version_id(1))  # still named by run.json
+        fresh = RunCatalog(store, LAY)
+        parsed: list[str] = []
+        real = fresh.read_manifest
+
+        async def counting(k: str) -> VersionManifest:
+            parsed.append(k)
+            return await real(k)
+
+        fresh.read_manifest = counting  # type: ignore[method-assign]
+        assert await fresh.committed_steps() == {20, 30, 40} == set(await steps(cat))
+        assert parsed == [key(4)]  # only the version run.json does not name
+        # a damaged run.json: every manifest is read; a damaged manifest is left out
+        await store.put(LAY.run_manifest_key, b"{not json")
+        await store.delete(key(3))
+        await store.put_if_absent(key(3), b"{not json")
+        assert await RunCatalog(store, LAY).committed_steps() == {20, 40}
+
+    run(body())
+
+
 def test_a_huge_sparse_manifest_is_refused_without_reading_it(tmp_path: Path) -> None:
     store = LocalStore(tmp_path, durable=False)
 
