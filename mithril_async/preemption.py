@@ -72,7 +72,7 @@ import torch.distributed as dist
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import ConfigError, DistributedError
 from mithril_async.listeners import ResultListeners
-from mithril_async.pipeline.coordinator import Coordinator
+from mithril_async.pipeline.coordinator import Coordinator, GroupBacked
 from mithril_async.pipeline.results import SaveResult
 
 __all__ = ["Preemption", "RankAgreement"]
@@ -148,16 +148,15 @@ class RankAgreement:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("checkpointing.save_on_signals: several ranks agree on the step to "
                               "save over torch.distributed, which is not initialised")
-        base = getattr(coordinator, "group", None) or getattr(
-            getattr(coordinator, "inner", None), "group", None)
+        base, timeout_s = None, 300.0
+        if isinstance(coordinator, GroupBacked):  # the default world group otherwise
+            base, timeout_s = coordinator.group, float(coordinator.timeout_s)
         ranks = (dist.get_process_group_ranks(base) if base is not None
                  else list(range(dist.get_world_size())))
         if len(ranks) != coordinator.world_size:
             raise ConfigError(f"checkpointing.save_on_signals: the coordinator has "
                               f"{coordinator.world_size} ranks but no process group naming "
                               "them to agree over")
-        timeout_s = float(getattr(coordinator, "timeout_s",
-                                  getattr(getattr(coordinator, "inner", None), "timeout_s", 300)))
         group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
                                use_local_synchronization=True)
         return cls(group, coordinator.rank, timeout_s)

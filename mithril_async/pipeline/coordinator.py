@@ -20,7 +20,7 @@ timeouts, so checkpoint traffic never blocks the training collectives.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -132,6 +132,19 @@ class Coordinator(Protocol):
 
     def close(self) -> None:
         """Release the coordination group."""
+
+
+@runtime_checkable
+class GroupBacked(Protocol):
+    """A coordinator whose collectives run over a ``torch.distributed`` process group:
+    other agreements among the same ranks (the signal-driven save step) form their own
+    group of its ranks, with its timeout. ``group`` None: the default world group."""
+
+    @property
+    def group(self) -> Any: ...
+
+    @property
+    def timeout_s(self) -> float: ...
 
 
 class LocalCoordinator:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from mithril_async.distributed import DistCoordinator
 from mithril_async.errors import KeyExists, KeyNotFound, StorageError
 from mithril_async.manifest import VersionManifest, parse_model
-from mithril_async.pipeline.coordinator import Coordinator, Outcome, RankPart
+from mithril_async.pipeline.coordinator import Coordinator, GroupBacked, Outcome, RankPart
 from mithril_async.storage.base import Store
 from mithril_async.tiers.node_store import NodeStore
 from mithril_async.tiers.write_once import put_once
@@ -103,6 +103,16 @@ class TierCoordinator:
         self.hooks = hooks
         self.rank = inner.rank
         self.world_size = inner.world_size
+
+    @property
+    def group(self) -> Any:
+        """The inner coordinator's process group (:class:`GroupBacked`; None: none)."""
+        return self.inner.group if isinstance(self.inner, GroupBacked) else None
+
+    @property
+    def timeout_s(self) -> float:
+        """The inner coordinator's collective timeout (300 s when it has none)."""
+        return self.inner.timeout_s if isinstance(self.inner, GroupBacked) else 300.0
 
     async def agree_version(self, claim: Callable[[], Awaitable[int]]) -> int:
         if self.rank == 0:
