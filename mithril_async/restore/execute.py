@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -46,7 +46,7 @@ from mithril_async.restore.sources import (
     verify_blob,
 )
 from mithril_async.restore.stream import copy_safetensors_into, decode_mckp_into, write_pieces
-from mithril_async.restore.targets import CopyRuns, check_shapes, mark_written
+from mithril_async.restore.targets import check_shapes, mark_written
 from mithril_async.state import unflatten_state
 from mithril_async.storage.base import Store
 
@@ -141,28 +141,20 @@ class DecodedVersion(_Decoded):
         return self
 
 
-@dataclass
-class _OpenedBlob:
-    """A blob of the plan opened for writing: its skeleton and what the writer needs."""
-
-    read: BlobRead
-    skeleton: Any
-    mckp: MckpInfo | None = None
-    st: SafetensorsInfo | None = None
+_For = TypeVar("_For", BlobRead, PieceSource)
 
 
 @dataclass
-class _OpenedSource:
-    source: PieceSource
+class _Opened(Generic[_For]):
+    """A blob the plan reads, opened for writing: what it was opened for (a whole blob's
+    read, or a saved piece to copy from), its skeleton and the header the writer needs."""
+
+    what: _For
     skeleton: Any
     mckp: MckpInfo | None = None
     st: SafetensorsInfo | None = None
     #: a piece decoded whole into fresh tensors (a delta, or one referencing other versions)
     tensors: dict[str, torch.Tensor] | None = None
-
-    @property
-    def runs(self) -> dict[str, CopyRuns]:
-        return self.source.runs
 
 
 @dataclass
@@ -186,7 +178,7 @@ class OpenedItem:
     """A sharded item of a plan with every saved blob it reads opened, nothing written."""
 
     read: PiecesRead
-    sources: list[_OpenedSource]
+    sources: list[_Opened[PieceSource]]
 
     @property
     def skeleton(self) -> Any:
@@ -216,12 +208,12 @@ async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng:
     jobs += [open_item(ctx, p, m.version_id, m.step, plan.verify, budget)
              for p in plan.pieces]
     opened = await all_or_first_error(jobs)
-    opened_blobs: list[_OpenedBlob] = [o for o in opened if isinstance(o, _OpenedBlob)]
+    opened_blobs: list[_Opened[BlobRead]] = [o for o in opened if isinstance(o, _Opened)]
     opened_items = [o for o in opened if isinstance(o, OpenedItem)]
     written: dict[str, dict[str, torch.Tensor]] = {}
 
-    async def write_blob(o: _OpenedBlob) -> None:
-        b = o.read
+    async def write_blob(o: _Opened[BlobRead]) -> None:
+        b = o.what
         assert b.live is not None
         started = progress.starter(b.item, b.ref.key)
         if o.mckp is not None:
@@ -242,7 +234,7 @@ async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng:
         if b.live is None:
             skeleton, tensors = fresh[b.item]
         else:
-            skeleton = next(o.skeleton for o in opened_blobs if o.read is b)
+            skeleton = next(o.skeleton for o in opened_blobs if o.what is b)
             tensors = written[b.item]
             if all(b.live.get(n) is t for n, t in tensors.items()):
                 in_place.add(b.item)
@@ -257,7 +249,8 @@ async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng:
                           by_rank if plan.resharded else None, frozenset(in_place))
 
 
-async def _open_blob(ctx: Context, b: BlobRead, step: int, budget: int) -> _OpenedBlob:
+async def _open_blob(ctx: Context, b: BlobRead, step: int, budget: int
+                     ) -> _Opened[BlobRead]:
     """Open one blob to be written in place (nothing written): verified whole first where
     the plan says so, its head checked, the live shapes the saved ones."""
     ref = b.ref
@@ -268,14 +261,14 @@ async def _open_blob(ctx: Context, b: BlobRead, step: int, budget: int) -> _Open
     if not blob_format(ref.format, ref.key).block_hashes:
         st = await open_safetensors(ctx.store, ref)
         check_shapes(ref.key, b.live, ((e.name, e.shape) for e in st.entries))
-        return _OpenedBlob(b, st.skeleton, st=st)
+        return _Opened(b, st.skeleton, st=st)
     info = await open_mckp(ctx.store, ref, size)
     skeleton = skeleton_of(info.metadata, ref.key)
     check_shapes(ref.key, b.live, ((t.name, t.shape) for t in info.tensors))
     if not b.verify_first:
         check_tiling(ref.key, info, sorted(info.index.values(), key=lambda r: r.offset))
         check_binding(ref.key, info, step, b.item)
-    return _OpenedBlob(b, skeleton, mckp=info)
+    return _Opened(b, skeleton, mckp=info)
 
 
 async def open_item(ctx: Context, p: PiecesRead, version: str, step: int, verify: str,
@@ -296,7 +289,7 @@ async def open_item(ctx: Context, p: PiecesRead, version: str, step: int, verify
 
 
 async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
-                       verify: str, budget: int) -> _OpenedSource:
+                       verify: str, budget: int) -> _Opened[PieceSource]:
     ref = src.ref
     fmt = blob_format(ref.format, ref.key)
     if fmt.in_place and ref.base is None and not ref.refs and fmt.block_hashes:
@@ -306,19 +299,19 @@ async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
         check_tiling(ref.key, info, sorted(info.index.values(), key=lambda b: b.offset))
         check_binding(ref.key, info, step, p.item)
         found = {t.name: (t.dtype, tuple(t.shape)) for t in info.tensors}
-        opened = _OpenedSource(src, skeleton_of(info.metadata, ref.key), mckp=info)
+        opened = _Opened(src, skeleton_of(info.metadata, ref.key), mckp=info)
     elif fmt.in_place and ref.base is None and not ref.refs:
         # safetensors: one whole-file hash, checked before any use
         await verify_blob(ctx.store, ref, ctx.pool, budget)
         st = await open_safetensors(ctx.store, ref)
         found = {e.name: (e.dtype, e.shape) for e in st.entries}
-        opened = _OpenedSource(src, st.skeleton, st=st)
+        opened = _Opened(src, st.skeleton, st=st)
     else:
         skeleton, tensors = await ctx.decoder.read(ctx.store, ref, ctx.load_blob,
                                                    only=frozenset(src.runs))
         found = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                  for n, t in tensors.items()}
-        opened = _OpenedSource(src, skeleton,
+        opened = _Opened(src, skeleton,
                                tensors={n: t.contiguous() for n, t in tensors.items()})
     for name in src.runs:
         saved = ref.piece(name)
@@ -343,9 +336,9 @@ async def write_item(ctx: Context, opened: OpenedItem, progress: Progress, budge
     share = max(1, budget // max(1, len(sources)))
     try:
         await all_or_first_error([
-            write_pieces(ctx.store, o.source.ref, o.source.runs, o.mckp, o.st, o.tensors,
-                         ctx.pool, share, progress.starter(p.item, o.source.ref.key))
-            for o in sources if o.source.runs])
+            write_pieces(ctx.store, o.what.ref, o.what.runs, o.mckp, o.st, o.tensors,
+                         ctx.pool, share, progress.starter(p.item, o.what.ref.key))
+            for o in sources if o.what.runs])
     finally:  # what was written is written, whatever stopped the rest
         if p.item in progress.items:
             mark_written(t.local for t in p.targets.values())

@@ -165,7 +165,7 @@ def test_a_delta_blob_is_decoded_whole_and_copied(tmp_path: Path, pool: Any) -> 
         need = NEEDS["straddling two"]
         targets = _targets(fulls, need)
         opened = await _restore(codec, store, refs, targets, pool, load_blob=load_blob)
-        assert all(src.tensors is not None for src in opened.sources if src.runs)
+        assert all(src.tensors is not None for src in opened.sources if src.what.runs)
         return targets["a"].local
 
     assert torch.equal(asyncio.run(run()), _slice(fulls["a"], NEEDS["straddling two"]))
