@@ -2,6 +2,7 @@
 
 ``torch_dcp`` (DCP planners), ``safetensors_file`` (safetensors in/out), ``hf_trainer``
 (transformers ``TrainerCallback``), ``lightning`` (``CheckpointIO``), ``deepspeed``
-(``CheckpointEngine``). Nothing is imported here, so a missing optional framework only matters
-to the module that needs it.
+(``CheckpointEngine``), ``orbax`` (JAX: an Orbax ``CheckpointHandler`` and type handlers, for
+Orbax's own ``Checkpointer`` / ``CheckpointManager``). Nothing is imported here, so a missing
+optional framework only matters to the module that needs it.
 """
