@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +50,31 @@ def trainer(out: Path, callbacks: list[Any], steps: int) -> Any:
                                 train_dataset=Data(), callbacks=callbacks)
 
 
-class Signaller(transformers.TrainerCallback):
-    """Sends this process ``signum`` at the end of step SIGNAL_AT; marks each step's end."""
+#: how long the step after the signal's waits for its effect before training goes on (a
+#: bound on a hang, never reached when the save ends)
+HOLD_S = 120.0
 
-    def __init__(self, out: Path, signum: int = signal.SIGTERM) -> None:
-        self.out, self.signum = out, signum
+
+class Signaller(transformers.TrainerCallback):
+    """Sends this process ``signum`` at the end of step SIGNAL_AT; marks each step's end.
+
+    At the end of the next step it holds the training thread until ``released()`` (default:
+    never, so only the signal taking effect ends the hold) or HOLD_S: training cannot run
+    to its end while the signal's save is in flight, however fast the steps are and however
+    long the save takes (the first save of a worker starts the worker)."""
+
+    def __init__(self, out: Path, signum: int = signal.SIGTERM,
+                 released: Callable[[], bool] = lambda: False) -> None:
+        self.out, self.signum, self.released = out, signum, released
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         (self.out / f"step-{state.global_step}").write_text("")
         if state.global_step == SIGNAL_AT:
             os.kill(os.getpid(), self.signum)
+        elif state.global_step == SIGNAL_AT + 1:
+            end = time.monotonic() + HOLD_S
+            while not self.released() and time.monotonic() < end:
+                time.sleep(0.01)
 
 
 def main() -> None:

@@ -69,7 +69,9 @@ def test_a_failed_save_reaches_the_trainers_log_and_the_python_log(
         await put(self, key, data)
 
     monkeypatch.setattr(LocalStore, "put", failing_put)
-    cb = MithrilTrainerCallback(tmp_path / "runs", run_id="hf-fail", every_n_steps=2)
+    # the fault is patched into this process's LocalStore: the saves must run here
+    cb = MithrilTrainerCallback(tmp_path / "runs", run_id="hf-fail", every_n_steps=2,
+                                config={"pipeline": {"process": "inline"}})
     t = trainer(tmp_path / "out", [cb], steps=4)
     with caplog.at_level(logging.ERROR, logger="mithril_async"), \
             pytest.raises(SaveFailed, match="injected"):
@@ -103,7 +105,8 @@ def test_with_exit_after_false_training_stops_after_the_signals_save(tmp_path: P
         cb = MithrilTrainerCallback(tmp_path / "runs", run_id="stop", every_n_steps=1000,
                                     config={"save_on_signals": ["SIGUSR1"],
                                             "exit_after_signal_save": False})
-        t = trainer(tmp_path, [Signaller(tmp_path, signal.SIGUSR1), cb], steps=200)
+        t = trainer(tmp_path, [Signaller(tmp_path, signal.SIGUSR1, released=lambda: (
+            cb.manager is not None and cb.manager.preempted)), cb], steps=200)
         t.train()  # returns: the callback stopped training once the save was durable
     finally:
         signal.signal(signal.SIGUSR1, old)
