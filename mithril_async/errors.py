@@ -188,7 +188,7 @@ class NonFiniteState(MithrilError, ValueError):
     """A save found NaN or Inf in floating tensors that ``nonfinite_allow`` does not allow,
     under ``[checkpointing] nonfinite = "fail"``: nothing was committed. The message names
     each item, tensor and its counts; ``tensors`` maps ``"<item>/<tensor>"`` to ``(NaNs,
-    Infs)`` (empty when the error was rebuilt from its message alone, as a worker's is)."""
+    Infs)``."""
 
     tensors: dict[str, tuple[int, int]] = {}  # noqa: RUF012 - replaced per instance
 

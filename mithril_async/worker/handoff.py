@@ -84,9 +84,20 @@ def update_result(res: SaveResult, doc: dict[str, Any]) -> None:
         res.nonfinite = {name: (int(c[0]), int(c[1])) for name, c in doc["nonfinite"].items()}
 
 
+def _details(cls: type[BaseException]) -> tuple[str, ...]:
+    """The attributes of the library's errors that carry more than the message (all plain
+    JSON), kept across the channel."""
+    if issubclass(cls, errors.ChecksumMismatch):
+        return ("where", "expected", "actual")
+    if issubclass(cls, errors.NonFiniteState):
+        return ("tensors",)  # name -> (NaNs, Infs)
+    return ()
+
+
 def error_doc(err: BaseException) -> dict[str, Any]:
     return {"kind": type(err).__name__, "message": str(err),
-            "errno": getattr(err, "errno", None)}
+            "errno": getattr(err, "errno", None),
+            "details": {name: getattr(err, name) for name in _details(type(err))}}
 
 
 def error_of(doc: dict[str, Any]) -> BaseException:
@@ -100,4 +111,14 @@ def error_of(doc: dict[str, Any]) -> BaseException:
     Exception.__init__(err, message)
     if doc.get("errno") is not None and isinstance(err, OSError):
         err.errno = int(doc["errno"])
+    details = doc.get("details")
+    details = details if isinstance(details, dict) else {}
+    for name in _details(cls):
+        value = details.get(name)
+        if name == "tensors":  # JSON made the (NaNs, Infs) pairs lists
+            value = {str(k): (v[0], v[1]) for k, v in (
+                value.items() if isinstance(value, dict) else ())
+                if isinstance(v, list | tuple) and len(v) == 2
+                and all(type(n) is int for n in v)}
+        setattr(err, name, value)
     return err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import threading
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from mithril_async.errors import WorkerExited
+from mithril_async.errors import ChecksumMismatch, NonFiniteState, WorkerExited
 from mithril_async.worker.channel import Channel, ChannelClosed, RemoteError
 from mithril_async.worker.handoff import error_doc, error_of
 from mithril_async.worker.shm import BufferAt, SegmentMap, SharedArena
@@ -115,3 +116,12 @@ def test_errors_cross_as_their_own_type() -> None:
     got = error_of(error_doc(WorkerExited("the worker was killed by SIGKILL")))
     assert isinstance(got, WorkerExited) and "SIGKILL" in str(got)
     assert type(error_of({"kind": "Sneaky", "message": "x"})).__name__ == "MithrilError"
+    # what the library's errors carry besides the message crosses too (through JSON)
+    doc = json.loads(json.dumps(error_doc(NonFiniteState("1 Inf", {"model/w": (0, 1)}))))
+    nf = error_of(doc)
+    assert isinstance(nf, NonFiniteState) and nf.tensors == {"model/w": (0, 1)}
+    cm = error_of(json.loads(json.dumps(error_doc(ChecksumMismatch("k", "aa", "bb")))))
+    assert isinstance(cm, ChecksumMismatch) and (cm.where, cm.expected, cm.actual) == (
+        "k", "aa", "bb")
+    assert error_of({"kind": "NonFiniteState", "message": "m", "details": {
+        "tensors": {"x": ["no", 1], "y": [2, 3]}}}).tensors == {"y": (2, 3)}  # type: ignore[attr-defined]
