@@ -294,6 +294,12 @@ class WorkerClient:
                 ) -> concurrent.futures.Future[Any]:
         for fd in fds:
             os.close(fd)
+        if method == "log":  # a record of the worker's, logged here (worker/server.py)
+            logging.getLogger(str(args.get("name") or "mithril_async")).log(
+                int(args.get("level") or logging.WARNING), "%s", args.get("message"))
+            fut_log: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            fut_log.set_result(None)
+            return fut_log
         run = {"coord.agree_version": ("agree", self._agree),
                "coord.gather_parts": ("gather", self._gather),
                "coord.broadcast_outcome": ("outcome", self._outcome)}.get(method)

@@ -267,6 +267,27 @@ class _OverlapGate:
             raise self._error
 
 
+class ToTrainerLog(logging.Handler):
+    """Sends the worker's log records to its trainer, which logs them through its own
+    ``logging`` set-up (handlers, files, levels: a held version's warning reaches the same
+    log as everything else of the training job). Once the channel is closed (the trainer is
+    gone and the worker finishes the save in flight) records go to stderr."""
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__()
+        self.channel = channel
+        self.fallback = logging.StreamHandler()
+        self.fallback.setFormatter(logging.Formatter(
+            "mithril-worker %(process)d %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.channel.notify("log", {"name": record.name, "level": record.levelno,
+                                        "message": self.format(record)})
+        except Exception:  # closed or broken: the trainer cannot log it any more
+            self.fallback.handle(record)
+
+
 def _empty(dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
@@ -279,8 +300,10 @@ def serve(fd: int, nice: int = 0) -> None:
     (``background_nice``)."""
     if nice:
         os.nice(nice)
-    logging.basicConfig(level=os.environ.get("MITHRIL_WORKER_LOG", "WARNING"),
-                        format="mithril-worker %(process)d %(levelname)s %(message)s")
-    WorkerServer(socket.socket(fileno=fd))
+    server = WorkerServer(socket.socket(fileno=fd))
+    # the trainer's logging decides what is shown; MITHRIL_WORKER_LOG: what is sent to it
+    log.setLevel(os.environ.get("MITHRIL_WORKER_LOG", "INFO"))
+    log.addHandler(ToTrainerLog(server.channel))
+    log.propagate = False
     while True:  # the server exits the process once its trainer is gone (os._exit)
         time.sleep(3600)

@@ -226,3 +226,37 @@ def test_two_ranks_commit_through_workers_and_a_dead_worker_fails_both_promptly(
     for s in seen:
         assert s["save3"] == "committed" and s["restored"] == 3 and s["exact"]
     assert seen[1]["new_worker"] and not seen[0]["new_worker"]
+
+
+def test_the_workers_log_and_its_errors_details_reach_the_trainer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A held version's warning is logged by the worker and reaches the trainer's logging
+    (its handlers, here pytest's); a failed save's NonFiniteState keeps its counts."""
+    from mithril_async.errors import NonFiniteState
+
+    model = make_model()
+    runs = tmp_path / "runs"
+    hold = config_from_dict({"checkpointing": {
+        "runs_path": str(runs), "run_id": "hold", "pipeline": {"process": "worker"}}})
+    with CheckpointManager(hold, {"model": model}) as mgr:
+        assert mgr.save_nowait(1).result().status == "committed"
+        pid = mgr.worker_pid
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+        with caplog.at_level(logging.WARNING, "mithril_async"):
+            res = mgr.save_nowait(2).result()
+        assert res.held and mgr.worker_pid == pid  # saved by the worker, not inline
+    warned = [r for r in caplog.records if "v000002" in r.getMessage()
+              and r.name == "mithril_async" and r.process == os.getpid()]
+    assert warned and "NaN" in warned[0].getMessage()
+    fail = config_from_dict({"checkpointing": {
+        "runs_path": str(runs), "run_id": "fail", "nonfinite": "fail",
+        "pipeline": {"process": "worker"}}})
+    with CheckpointManager(fail, {"model": model}) as mgr:
+        with pytest.raises(NonFiniteState) as err:
+            mgr.save_nowait(1).result()
+        assert mgr.worker_pid is not None
+        name = next(n for n, _ in model.named_parameters())
+        assert err.value.tensors == {f"model/{name}": (1, 0)}
+        with pytest.raises(SaveFailed):
+            mgr.check_for_errors()
