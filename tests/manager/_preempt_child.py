@@ -59,6 +59,12 @@ def main() -> None:
                                          "optimizer": opt.state_dict(),
                                          "batcher": batcher.get_state()})
             manager.save_nowait(step)
+            # the signal's save: hold the loop until the signal takes effect, so the loop
+            # cannot reach its own next save first, however fast its steps and however long
+            # the save (a worker's first save starts the worker)
+            end = time.monotonic() + 120
+            while time.monotonic() < end:
+                time.sleep(0.01)
         if step == GATE:
             print("gate", flush=True)
             sys.stdin.readline()
