@@ -445,40 +445,32 @@ class LocalStore:
             except UnsafeKey:
                 continue
 
+    def _listing(self, norm: str, sized: bool) -> dict[str, int]:
+        """The keys under the normalised prefix ``norm``, sorted, from one walk (on a worker
+        thread), each with its size where ``sized`` (else 0: nothing is stat'ed)."""
+        self._check_prefix_dir(norm)
+        top = os.path.join(self.root, norm) if norm else self.root
+        out: dict[str, int] = {}
+        if norm and os.path.isfile(top) and not os.path.islink(top):
+            out[norm] = os.stat(top, follow_symlinks=False).st_size if sized else 0
+        for key, entry in self._walk(top, norm):
+            try:
+                out[check_key(key)] = entry.stat(follow_symlinks=False).st_size if sized else 0
+            except (UnsafeKey, FileNotFoundError):
+                continue
+        return {k: out[k] for k in sorted(out) if key_in_prefix(k, norm)}
+
     async def list(self, prefix: str) -> list[str]:
         norm = check_prefix(prefix)
-
-        def list_keys(_: str) -> list[str]:
-            self._check_prefix_dir(norm)
-            top = os.path.join(self.root, norm) if norm else self.root
-            keys = []
-            if norm and os.path.isfile(top) and not os.path.islink(top):
-                keys.append(norm)
-            keys += self._keys(top, norm)
-            return sorted(k for k in keys if key_in_prefix(k, norm))
-
-        return await self._run("list", norm or ".", list_keys, reading=True, path=self.root)
+        return list(await self._run("list", norm or ".", lambda _: self._listing(norm, False),
+                                    reading=True, path=self.root))
 
     async def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every key under ``prefix`` with its size, from one directory walk
         (:class:`~mithril_async.storage.capabilities.SizedListing`)."""
         norm = check_prefix(prefix)
-
-        def list_with_sizes(_: str) -> dict[str, int]:
-            self._check_prefix_dir(norm)
-            top = os.path.join(self.root, norm) if norm else self.root
-            out: dict[str, int] = {}
-            if norm and os.path.isfile(top) and not os.path.islink(top):
-                out[norm] = os.stat(top, follow_symlinks=False).st_size
-            for key, entry in self._walk(top, norm):
-                try:
-                    out[check_key(key)] = entry.stat(follow_symlinks=False).st_size
-                except (UnsafeKey, FileNotFoundError):
-                    continue
-            return {k: out[k] for k in sorted(out) if key_in_prefix(k, norm)}
-
-        return await self._run("list", norm or ".", list_with_sizes, reading=True,
-                               path=self.root)
+        return await self._run("list", norm or ".", lambda _: self._listing(norm, True),
+                               reading=True, path=self.root)
 
     async def list_dir(self, prefix: str) -> DirListing:
         norm = check_prefix(prefix)
