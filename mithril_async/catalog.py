@@ -130,9 +130,7 @@ class RunCatalog:
                 except (InvalidFormat, KeyNotFound) as err:
                     if not skip_damaged:
                         raise
-                    if key not in self._damaged:
-                        self._damaged.add(key)
-                        log.warning("ignoring version %s: %s", key, err)
+                    self._skip_damaged(key, err)
         out.sort(key=lambda m: (m.step, m.version_id))
         return out
 
@@ -158,10 +156,14 @@ class RunCatalog:
             try:
                 steps.add((await self.read_manifest(mkey)).step)
             except (InvalidFormat, KeyNotFound) as err:
-                if mkey not in self._damaged:
-                    self._damaged.add(mkey)
-                    log.warning("ignoring version %s: %s", mkey, err)
+                self._skip_damaged(mkey, err)
         return steps
+
+    def _skip_damaged(self, key: str, err: Exception) -> None:
+        """A damaged (or vanished) manifest left out of a listing: warned about once."""
+        if key not in self._damaged:
+            self._damaged.add(key)
+            log.warning("ignoring version %s: %s", key, err)
 
     async def claim(self, bases: Iterable[str] = ()) -> Claim:
         """Reserve the next free version number (atomic put_if_absent of a claim file).
@@ -502,16 +504,8 @@ class RunCatalog:
             errors.append(err)
         self._manifests.pop(mkey, None)
         claim = self.layout.claim_key(n)
-
-        async def delete(key: str) -> bool:
-            try:
-                await self.store.delete(key)
-            except Exception as err:
-                errors.append(err)
-                return False
-            return True
-
-        claim_gone = await delete(claim)
+        claim_errors = await self.delete_keys([claim])
+        errors += claim_errors
         try:
             rest = [k for k in await self.store.list(self.layout.version_dir(n) + "/")
                     if k != claim]
@@ -519,8 +513,8 @@ class RunCatalog:
             errors.append(err)
             rest = []
         errors += await self.delete_keys(rest)
-        if not claim_gone:
-            await delete(claim)
+        if claim_errors:
+            errors += await self.delete_keys([claim])
         if errors:
             raise errors[0]
 
