@@ -96,6 +96,11 @@ class WorkerClient:
         self._sent = concurrent.futures.Future()
         return self._sent
 
+    def _handed_over(self) -> None:
+        """The save in flight no longer depends on this process (or will never be sent)."""
+        if not self._sent.done():
+            self._sent.set_result(None)
+
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
@@ -175,8 +180,7 @@ class WorkerClient:
         try:
             return await self._run(job, res, metrics)
         finally:
-            if not self._sent.done():
-                self._sent.set_result(None)
+            self._handed_over()
             job.snap.close()
 
     async def _run(self, job: SaveJob, res: SaveResult, metrics: dict[str, Any]
@@ -194,8 +198,7 @@ class WorkerClient:
             msg = self._describe(job, res, metrics)
             msg["segments"] = [[i, n] for i, _, n in segments]
             reply = channel.call("save", msg, [fd for _, fd, _ in segments])
-            if not self._sent.done():
-                self._sent.set_result(None)
+            self._handed_over()
             if job.snap.overlap is not None:
                 await self._report_overlap(job, channel)
             answer = await asyncio.wrap_future(reply)
@@ -291,15 +294,13 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ its requests
     def _handle(self, method: str, args: dict[str, Any], fds: list[int]
-                ) -> concurrent.futures.Future[Any]:
+                ) -> concurrent.futures.Future[Any] | None:
         for fd in fds:
             os.close(fd)
         if method == "log":  # a record of the worker's, logged here (worker/server.py)
             logging.getLogger(str(args.get("name") or "mithril_async")).log(
                 int(args.get("level") or logging.WARNING), "%s", args.get("message"))
-            fut_log: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            fut_log.set_result(None)
-            return fut_log
+            return None
         run = {"coord.agree_version": ("agree", self._agree),
                "coord.gather_parts": ("gather", self._gather),
                "coord.broadcast_outcome": ("outcome", self._outcome)}.get(method)
