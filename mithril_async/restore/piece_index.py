@@ -123,7 +123,3 @@ class PieceIndex:
             if len(box.offsets) != len(need.offsets) or box.intersect(need) is not None:
                 out.append(SavedPiece(rank, box, p.replicated))
         return out
-
-    def source_ref(self, rank: int) -> ShardRef:
-        """Saved rank ``rank``'s blob (its pieces through ``ShardRef.piece``)."""
-        return self.refs[rank]

@@ -241,7 +241,7 @@ def pieces_read(item: str, refs: Mapping[int, ShardRef], targets: Mapping[str, A
     saved pieces leave uncovered :class:`~mithril_async.errors.MissingPrevious`."""
     index = PieceIndex(refs)
     first = min(refs)
-    sources: dict[int, PieceSource] = {first: PieceSource(first, index.source_ref(first))}
+    sources: dict[int, PieceSource] = {first: PieceSource(first, refs[first])}
     for name, tgt in targets.items():
         other = index.shape_mismatch(name, tgt.global_shape)
         if other is not None:
@@ -249,7 +249,7 @@ def pieces_read(item: str, refs: Mapping[int, ShardRef], targets: Mapping[str, A
                                 f"but rank {other[0]} saved it as part of {other[1]}")
         for rd in plan_reads(f"{item}/{name}", tgt.box, index.overlapping(name, tgt.box)):
             if rd.rank not in sources:
-                sources[rd.rank] = PieceSource(rd.rank, index.source_ref(rd.rank))
+                sources[rd.rank] = PieceSource(rd.rank, refs[rd.rank])
             src = sources[rd.rank]
             runs = copy_runs(rd.src, tgt.box, rd.overlap, tgt.local.element_size())
             src.runs[name] = CopyRuns.of(runs, tgt.local)
