@@ -2,18 +2,22 @@
 # Lightning's own checkpointing tests (tag 2.6.5) with MithrilCheckpointIO as the strategy's
 # default CheckpointIO. Not part of the test suite; results go in docs/suites/lightning.md.
 #
-#   benchmarks/suites/run_lightning_suite.sh [lightning|sync|async] [pytest args...]
+#   benchmarks/suites/run_lightning_suite.sh LIGHTNING_REPO [lightning|sync|async] [pytest args...]
 #
 # lightning: Lightning's own TorchCheckpointIO (the baseline); sync: MithrilCheckpointIO
 # (pickle_fallback=True, since the IO it stands in for pickles whole dicts); async: the same
-# with asynchronous=True. Needs the Lightning repository, brought by the agent `fetch` tool
-# (github:Lightning-AI/pytorch-lightning) or a clone: LIGHTNING_REPO=/path/to/git/dir.
+# with asynchronous=True. LIGHTNING_REPO: a git checkout of Lightning-AI/pytorch-lightning
+# (git clone https://github.com/Lightning-AI/pytorch-lightning; a bare or mirror git directory
+# works too) holding the tag LIGHTNING_TAG (default 2.6.5, the one docs/suites/lightning.md
+# reports); a missing repository or tag stops the run with a message naming it.
 set -euo pipefail
-MODE="${1:-sync}"; shift || true
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-PY="${PY:-$ROOT/.venv/bin/python}"
-REPO="${LIGHTNING_REPO:-/work/.mirror/Lightning-AI+pytorch-lightning/repo}"
+. "$ROOT/benchmarks/suites/_peer_repo.sh"
 TAG="${LIGHTNING_TAG:-2.6.5}"
+REPO="$(peer_git_dir Lightning-AI/pytorch-lightning "${1:-}" "$TAG")" || exit 2
+shift
+MODE="${1:-sync}"; shift || true
+PY="${PY:-$ROOT/.venv/bin/python}"
 WORK="${WORK:-/tmp/lightning-suite-$TAG}"
 DEPS="${DEPS:-/tmp/lightning-suite-deps}"  # test-only deps, kept out of the project venv
 if [ ! -d "$DEPS/jsonargparse" ]; then

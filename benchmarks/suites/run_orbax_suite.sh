@@ -2,10 +2,12 @@
 # Orbax's own checkpointing tests, with Orbax's handlers (the control) and with ours.
 # Not part of the test suite (15-30 minutes on 2 cores). Results: docs/suites/orbax.md.
 #
-#   benchmarks/suites/run_orbax_suite.sh [OUT_DIR]
+#   benchmarks/suites/run_orbax_suite.sh ORBAX_REPO [REF] [OUT_DIR]
 #
-# Test files come from Orbax's repository (ORBAX_REPO: a git dir, default the agent `fetch`
-# mirror of github:google/orbax; ORBAX_REF, default HEAD): standard_checkpoint_handler_test.py,
+# ORBAX_REPO: a git checkout of google/orbax (git clone https://github.com/google/orbax; a bare
+# or mirror git directory works too); REF: the commit, tag or branch whose tests run (default
+# HEAD; docs/suites/orbax.md names the one its results came from). A missing repository or ref
+# stops the run with a message naming it. Test files taken from it: standard_checkpoint_handler_test.py,
 # pytree_checkpoint_handler_test.py, checkpoint_manager_test.py and the multiprocess_test.py
 # helpers the wheel lacks. Their other test dependencies (flax, optax, chex, portpicker, ...)
 # are installed apart, into DEPS (default build/orbax-suite-deps), so the project venv keeps
@@ -24,10 +26,11 @@
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-out="${1:-$repo/build/orbax-suite-out}"
+. "$here/_peer_repo.sh"
+ref="${2:-HEAD}"
+orbax_repo="$(peer_git_dir google/orbax "${1:-}" "$ref")" || exit 2
+out="${3:-$repo/build/orbax-suite-out}"
 py="${PYTHON:-$repo/.venv/bin/python}"
-orbax_repo="${ORBAX_REPO:-/work/.mirror/google+orbax/repo}"
-ref="${ORBAX_REF:-HEAD}"
 deps="${DEPS:-$repo/build/orbax-suite-deps}"
 work="${WORK:-$repo/build/orbax-suite}"
 modes="${MODES:-orbax mithril}"
