@@ -16,8 +16,9 @@ Usage::
 Modules: ``layout`` (the files and their index, no JAX), ``blobs`` (writing and ranged
 reading of blobs), ``arrays`` (host copies of shards, building target shardings),
 ``type_handlers`` (the Orbax type handlers), ``checkpoint`` (the pytree handler, its args,
-``enable_globally``). Importing this package imports neither JAX nor Orbax; the names below
-do, on first use (``pip install mithril_async[orbax]``).
+``enable_globally``), ``standard`` (the ``StandardSave`` / ``StandardRestore`` drop-in).
+Importing this package imports neither JAX nor Orbax; the names below do, on first use
+(``pip install mithril_async[orbax]``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ __all__ = [
     "MithrilNumpyHandler",
     "MithrilRestore",
     "MithrilSave",
+    "MithrilStandardCheckpointHandler",
+    "MithrilStandardRestore",
+    "MithrilStandardSave",
     "create_registry",
     "disable_globally",
     "enable_globally",
@@ -42,6 +46,9 @@ _WHERE = {
     "MithrilCheckpointHandler": "checkpoint",
     "MithrilRestore": "checkpoint",
     "MithrilSave": "checkpoint",
+    "MithrilStandardCheckpointHandler": "standard",
+    "MithrilStandardRestore": "standard",
+    "MithrilStandardSave": "standard",
     "create_registry": "checkpoint",
     "disable_globally": "checkpoint",
     "enable_globally": "checkpoint",

@@ -4,16 +4,22 @@
 ``jax.Array`` and ``np.ndarray`` leaves go to our handlers; tree metadata, partial restores,
 placeholders, transforms, multi-host barriers and the commit protocol stay Orbax's.
 ``MithrilSave`` / ``MithrilRestore`` are registered with it, so a ``CheckpointManager`` (or a
-``Composite`` item) given them needs no handler registry of its own.
+``Composite`` item) given them needs no handler registry of its own. A ``MithrilRestore`` with a
+target tree and no ``restore_args`` restores as ``StandardRestore`` does: each array onto its
+target leaf's sharding (any mesh shape or device count), a leaf without one onto the saved
+sharding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from orbax.checkpoint._src.handlers import standard_checkpoint_handler as standard
 from orbax.checkpoint._src.handlers.pytree_checkpoint_handler import (
     PyTreeCheckpointHandler,
     PyTreeRestoreArgs,
@@ -32,7 +38,7 @@ from mithril_async.integrations.orbax.type_handlers import (
 )
 
 __all__ = ["MithrilCheckpointHandler", "MithrilRestore", "MithrilSave", "create_registry",
-           "disable_globally", "enable_globally"]
+           "disable_globally", "enable_globally", "restore_args_from_item"]
 
 
 class _StoredByOrbax:
@@ -66,6 +72,13 @@ def create_registry(compression_level: int = 3, *,
     return reg
 
 
+def restore_args_from_item(item: Any, metadata: Callable[[], Any]) -> Any:
+    """Restore arguments for a target tree as ``StandardRestore`` derives them: each leaf's
+    own sharding, else the saved one (``metadata``: the checkpoint's tree metadata, read only
+    if some leaf has no sharding of its own)."""
+    return standard._construct_restore_args(item, metadata, None)
+
+
 class MithrilCheckpointHandler(PyTreeCheckpointHandler):
     """``PyTreeCheckpointHandler`` storing array leaves with mithril_async's codec.
 
@@ -83,6 +96,17 @@ class MithrilCheckpointHandler(PyTreeCheckpointHandler):
         self.compression_level = check_level(compression_level)
         super().__init__(type_handler_registry=create_registry(compression_level,
                                                                threads=threads), **kwargs)
+
+    def restore(self, directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """Orbax's restore; a target tree given without ``restore_args`` gets them derived
+        from its leaves' shardings, as ``StandardRestore`` does (see the module docstring)."""
+        given = kwargs.get("args")
+        if (isinstance(given, PyTreeRestoreArgs) and given.item is not None
+                and given.restore_args is None):
+            derived = restore_args_from_item(given.item, functools.partial(self.metadata,
+                                                                           directory))
+            kwargs["args"] = dataclasses.replace(given, restore_args=derived)
+        return super().restore(directory, *args, **kwargs)
 
 
 @register_with_handler(MithrilCheckpointHandler, for_save=True)
