@@ -259,9 +259,15 @@ class CheckpointingConfig(_Strict):
     pipeline, remote, restore and lossy)."""
 
     runs_path: str = "runs"
+    #: the run saves go to and restores read; None: the runs folder's current run, continued
+    #: when it exists (a restarted job resumes), else a new run that becomes the current one
+    #: (mithril_async/current_run.py)
     run_id: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="None = fresh run id"
-    )
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="None = the runs folder's current run (resumed), or a new one")
+    #: start a new run even though the runs folder has a current one (it becomes the current
+    #: run; the earlier run is kept as it was). Only without run_id
+    new_run: bool = False
     ckpting_save_iter: int = Field(1000, ge=1)
     resume_optimizer: bool = True
     best_metric_name: str | None = None
@@ -326,6 +332,13 @@ class CheckpointingConfig(_Strict):
         if isinstance(v, str) and not v.strip():
             raise ValueError("must be true, false or a folder, not an empty string")
         return v
+
+    @model_validator(mode="after")
+    def _new_run_without_run_id(self) -> CheckpointingConfig:
+        if self.new_run and self.run_id is not None:
+            raise ValueError(f"new_run = true starts a run with a fresh id, but run_id = "
+                             f"{self.run_id!r} names one: set one of the two")
+        return self
 
     @model_validator(mode="after")
     def _budget_fits_a_chunk(self) -> CheckpointingConfig:

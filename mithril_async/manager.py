@@ -32,9 +32,11 @@ import torch
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.current_run import resolve_run_id
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ConfigError,
+    DistributedError,
     InvalidFormat,
     RestoreIncomplete,
     SaveFailed,
@@ -166,9 +168,9 @@ class CheckpointManager:
             store, prefix = open_run_store(cfg)
             runs_prefix = runs_prefix or prefix
         self.store: Store = store
-        self.run_id = cfg.run_id or new_run_id()
-        if cfg.run_id is None and isinstance(self.coordinator, DistCoordinator):
-            self.run_id = self.coordinator.broadcast_from_zero(self.run_id, "agree_run_id")
+        #: whether this manager continues the runs folder's current run (no run_id set)
+        self.continued_run = False
+        self.run_id = self._run_id(runs_prefix or "runs")
         self.layout = RunLayout(runs_prefix or "runs", self.run_id)
         self.catalog = RunCatalog(self.store, self.layout,
                                   claim_stale_s=cfg.pipeline.claim_stale_s)
@@ -214,6 +216,38 @@ class CheckpointManager:
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
         self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
+
+    def _run_id(self, runs_prefix: str) -> str:
+        """``run_id``, or rank 0's reading of the runs folder's current run (a new one where
+        there is none, or with ``new_run``) agreed by every rank (:mod:`~.current_run`)."""
+        if self.cfg.run_id is not None:
+            return self.cfg.run_id
+        group = self.coordinator if isinstance(self.coordinator, DistCoordinator) else None
+        if self.rank != 0 and group is None:
+            return new_run_id()  # a simulated group without a channel: ids per rank
+        found: str | None = None
+        failed: Exception | None = None
+        if self.rank == 0:
+            loop = BackgroundLoop(name="mithril-run-id")
+            try:
+                found, self.continued_run = loop.run(resolve_run_id(
+                    self.store, runs_prefix, new_run=self.cfg.new_run))
+            except Exception as err:
+                if group is None:
+                    raise
+                failed = err  # raised once every rank has heard of it: none waits
+            finally:
+                loop.close()
+        if group is not None:
+            why = None if failed is None else f"{type(failed).__name__}: {failed}"
+            found, why = group.broadcast_from_zero((found, why), "agree_run_id")
+            if failed is not None:
+                raise failed
+            if why is not None:
+                raise DistributedError(f"rank 0 could not read the runs folder's current "
+                                       f"run: {why}")
+        assert found is not None
+        return found
 
     def _setup_worker(self, runs_prefix: str, sharded_model: bool, given: list[str],
                       keep_all: bool) -> str:
@@ -506,8 +540,11 @@ class CheckpointManager:
         self.check_for_errors()
         steps = self._ctx.steps
         if steps is not None and step in steps:
+            why = (" (run_id is not set, so this job continues the runs folder's current run: "
+                   "restore it to resume, or set new_run = true to start a new run)"
+                   if self.continued_run else "")
             raise StepAlreadyExists(f"run {self.run_id}: step {step} is already committed; "
-                                    "nothing is overwritten")
+                                    f"nothing is overwritten{why}")
         if self.preemption is not None:
             self.preemption.saving(step)
 

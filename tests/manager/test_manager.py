@@ -336,17 +336,20 @@ def test_bad_state_and_step_arguments(make_config: ConfigFactory) -> None:
                 m.save_nowait(bad)  # type: ignore[arg-type]
 
 
-def test_should_save_and_fresh_run_ids(make_config: ConfigFactory, tmp_path: Path) -> None:
+def test_should_save_and_the_current_run(make_config: ConfigFactory, tmp_path: Path) -> None:
     cfg = make_config()
     cfg.checkpointing.ckpting_save_iter = 10
     cfg.checkpointing.run_id = None
     model, _, _ = make_state()
     a = CheckpointManager(cfg, {"model": model})
-    b = CheckpointManager(cfg, {"model": model})
-    assert a.run_id != b.run_id
+    b = CheckpointManager(cfg, {"model": model})  # no run_id: the folder's current run
+    fresh = cfg.model_copy(deep=True)
+    fresh.checkpointing.new_run = True
+    c = CheckpointManager(fresh, {"model": model})
+    assert a.run_id == b.run_id != c.run_id
     assert [s for s in range(31) if a.should_save(s)] == [10, 20, 30]
-    a.close()
-    b.close()
+    for m in (a, b, c):
+        m.close()
 
 
 def test_resume_optimizer_false_leaves_optimizer_alone(make_config: ConfigFactory) -> None:
