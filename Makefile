@@ -35,6 +35,11 @@ dist: $(if $(filter $(BIN)/python,$(PYTHON)),setup)
 	rm -rf $(DIST).raw
 	@ls -l $(DIST)
 
+# The docs site (mkdocs.yml) into site/: --strict, so a broken link, anchor or API reference
+# fails the build. The configuration reference is generated from mithril_async/config.py.
+docs: $(if $(filter $(BIN)/python,$(PYTHON)),setup)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet --site-dir site
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -58,7 +63,7 @@ system-deps:
 	    "apt-get install $(CEPH_PACKAGES)); the RGW tests will be skipped"; \
 	fi
 
-test: lint system-deps
+test: lint system-deps docs
 	$(BIN)/python -m pytest -q
 
 # The CUDA paths on a real GPU (docs/GPU.md): without a CUDA device it says so and exits 0;
