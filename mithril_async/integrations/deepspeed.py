@@ -18,7 +18,7 @@ checkpoint folder exactly as far as DeepSpeed itself does (loading an untrusted 
 author's code either way; the Lightning plugin, by contrast, unpickles only when asked).
 DeepSpeed is not part of the dev
 environment: ``tests/integrations/test_deepspeed.py`` runs where it is installed and skips
-elsewhere (docs/INTEGRATIONS.md says how it was run).
+elsewhere (docs/integrations/deepspeed.md says how it was run).
 """
 
 from __future__ import annotations

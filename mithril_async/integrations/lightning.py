@@ -28,9 +28,10 @@ writer holds an exclusive ``flock`` on it until the real file is renamed over it
 path keeps its previous complete content until the rename. Any reader waits: our
 ``load_checkpoint`` joins the pending write, :func:`load_checkpoint_file` in any process
 blocks on the reservation's lock, and ``torch.load`` on a reservation fails with a message
-naming this module. The departure from the contract, documented in INTEGRATIONS.md: a SIGKILL
-during a background write loses that write (training went on meanwhile), so ``last.ckpt`` can
-be older than the newest top-k file, as with Lightning's own IO killed during that write.
+naming this module. The departure from the contract, documented in
+docs/integrations/lightning.md: a SIGKILL during a background write loses that write
+(training went on meanwhile), so ``last.ckpt`` can be older than the newest top-k file, as
+with Lightning's own IO killed during that write.
 Each write has its own daemon thread, gone when the write is done (no idle pool outlives
 ``fit``); its ``stop()`` joins it and an ``atexit`` hook joins every pending write, so a write
 completes even when nobody called ``teardown``.

@@ -1,6 +1,6 @@
 """DeepSpeed checkpoint engine: compressed files, commit as the durability point.
 
-DeepSpeed is not part of the shared dev environment (see docs/INTEGRATIONS.md); this runs
+DeepSpeed is not part of the shared dev environment (see docs/integrations/deepspeed.md); this runs
 where it is installed (e.g. ``PYTHONPATH=<dir with deepspeed> pytest tests/integrations``).
 """
 

@@ -39,9 +39,18 @@ Keys live under ``<prefix>/<key>`` in one bucket. Design points:
 Modules: :mod:`.store` (``S3Store``: requests, reads, listings, conditional writes),
 :mod:`.writer` (``S3Writer``, which sends its requests through the small
 :class:`~mithril_async.storage.s3.writer.S3Requests` interface the store implements), and
-:mod:`.errors` (telling botocore's failures apart). Importing this package imports aioboto3;
+:mod:`.errors` (telling botocore's failures apart). Importing this package imports aioboto3 (the
+``s3`` extra: without it the import fails naming ``mithril_async[s3]``);
 :mod:`mithril_async.storage` defers that until an S3 store is opened.
 """
+
+try:
+    import aioboto3  # noqa: F401  (the optional dependency, checked once with a clear message)
+except ImportError as _missing:
+    raise ImportError(
+        f"S3 storage needs aioboto3 ({_missing}); install it with "
+        "`pip install 'mithril_async[s3]'`"
+    ) from _missing
 
 from mithril_async.storage.s3.errors import error_code, is_missing, is_precondition
 from mithril_async.storage.s3.store import (
