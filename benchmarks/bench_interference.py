@@ -1,7 +1,9 @@
 """How much a background save costs a training thread, and how much a busy training thread
 stretches the save: ours with the checkpoint worker process, ours inline (threads of the
-training process), DCP ``async_save`` in thread mode and in process mode, side by side in one
-run.
+training process), DCP ``async_save`` in thread mode and in process mode, and
+torch_checkpointing (its ``CheckpointManager``: a staging thread of the training process
+copies the state into shared memory, one writer process writes it; skipped, with the reason
+printed, where it is not installed), side by side in one run.
 
 Set-up (2 cores): the training thread runs alone on CPU 0; every other thread of this process
 and of its child processes (our checkpoint worker, DCP's save process) runs on CPU 1, moved
@@ -11,7 +13,9 @@ training thread is the GIL (and the caches and memory bandwidth the two cores sh
 state lives on tmpfs (``/dev/shm``), so no disk plays a part; each checkpoint is deleted right
 after it is measured. The state: ``--gib`` of bf16 weights plus two fp32 AdamW moments
 (2 + 4 + 4 bytes a parameter), saved with each system's default configuration (ours:
-compression on, every codec thread; DCP: its default stager and file system writer).
+compression on, every codec thread; DCP: its default stager and file system writer;
+torch_checkpointing: the CPU staging configuration of its troubleshooting guide, its staging
+buffers prewarmed with ``prewarm_staging`` when the system is made).
 
 Two kinds of training step run on the training thread:
 
@@ -26,6 +30,10 @@ first"), a save with training idle (the training thread waits for it), a save wi
 busy (the thread steps throughout), and a save for memory (training idle). Per save:
 
 * blocked: how long the save call took;
+* staged idle: from the call until the state may change again (training idle): the same as
+  blocked idle but for torch_checkpointing, whose ``save()`` returns before its staging thread
+  copied the state; its ``manager.lock()`` (the guard around ``optimizer.step()``) waits for
+  the copy. The steps here never change the saved state, so none of them takes that lock;
 * GIL wait: while the save was in flight after the call returned, the training thread's wall
   time minus its own CPU time (``time.thread_time()``) minus ``runq``, the time the kernel
   counts as runnable but waiting for a CPU (``/proc/self/task/<tid>/schedstat``). Alone on
@@ -57,6 +65,7 @@ printed too.
 
     python benchmarks/bench_interference.py [--rounds 3] [--gib 0.5] [--quick]
                                             [--parts main,knobs] [--json out.json]
+                                            [--systems "ours worker,torch_checkpointing"]
 """
 
 from __future__ import annotations
@@ -88,6 +97,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _tc
 
 from mithril_async import CheckpointManager, TensorDict, parse_config
 
@@ -102,7 +114,9 @@ Tensors = dict[str, torch.Tensor]
 Row = dict[str, Any]
 
 #: the systems of the main table, in print order
-MAIN = ("ours worker", "ours inline", "DCP thread", "DCP process")
+MAIN = ("ours worker", "ours inline", "DCP thread", "DCP process", _tc.NAME)
+#: the systems the targets compare (the DCP targets need all of them)
+TARGETS = MAIN[:4]
 #: the memory a run needs at its peak, in state sizes (see check_memory)
 NEEDS_X = 5
 #: the knob configurations (ours, worker): (background_nice, codec threads; None = default)
@@ -189,6 +203,10 @@ class System:
     def start(self, step: int) -> concurrent.futures.Future[Any]:
         raise NotImplementedError
 
+    def wait_staged(self) -> None:
+        """Return once the save in flight no longer reads the live state (most systems
+        copied it before ``start`` returned)."""
+
     def drop(self, step: int) -> None:
         """Delete what the save of ``step`` wrote (tmpfs is memory)."""
 
@@ -253,6 +271,31 @@ class Dcp(System):
         return None if proc is None else proc._save_process.pid
 
     def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class TorchCheckpointing(System):
+    """torch_checkpointing's async save (``benchmarks/_tc.py``), staging prewarmed."""
+
+    def __init__(self, name: str, root: Path, sd: dict[str, Tensors]) -> None:
+        self.name, self.root, self.sd = name, root, sd
+        self.tc = _tc.Tc()
+        self.tc.prewarm(sd)
+
+    def start(self, step: int) -> concurrent.futures.Future[Any]:
+        return self.tc.save(self.root / f"s{step}", self.sd)
+
+    def wait_staged(self) -> None:
+        self.tc.wait_staged()
+
+    def drop(self, step: int) -> None:
+        shutil.rmtree(self.root / f"s{step}", ignore_errors=True)
+
+    def child_pid(self) -> int | None:
+        return self.tc.writer_pid()
+
+    def close(self) -> None:
+        self.tc.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -338,12 +381,14 @@ class Trainer:
         fut = system.start(step)
         b = self.clock.now()
         done = _finish_time(fut)
+        system.wait_staged()
+        staged = time.perf_counter()
         fut.result()
         while "t" not in done:  # the callback runs right after the result is set
             time.sleep(0.0005)
         system.drop(step)
         return {"blocked_idle_s": b[0] - a[0], "blocked_idle_own_s": b[0] - a[0] - (b[2] - a[2]),
-                "e2e_idle_s": done["t"] - a[0]}
+                "staged_idle_s": staged - a[0], "e2e_idle_s": done["t"] - a[0]}
 
     def busy_save(self, system: System, step: int) -> Row:
         """A save while the training thread steps (after ``idle_s`` of steps without one)."""
@@ -480,6 +525,8 @@ class Systems:
             return Ours(name, path, self.state, "inline")
         if name in ("DCP thread", "DCP process"):
             return Dcp(name, path, self.sd, process=name == "DCP process")
+        if name == _tc.NAME:
+            return TorchCheckpointing(name, path, self.sd)
         nice, threads = self.knobs[name]
         return Ours(name, path, self.state, "worker", nice, threads)
 
@@ -494,7 +541,7 @@ def run_parts(args: argparse.Namespace, watch: Watch, root: Path) -> dict[str, A
     runs: dict[str, dict[str, list[Row]]] = {}
     plan: list[tuple[str, str, list[str]]] = []
     if "main" in args.parts:
-        plan += [(kind, kind, list(MAIN)) for kind in args.kinds]
+        plan += [(kind, kind, list(args.systems)) for kind in args.kinds]
     if "knobs" in args.parts:
         plan.append(("torch knobs", "torch", list(systems.knobs)))
     step_no = 0
@@ -541,6 +588,7 @@ TRAINING = (("blocked ms", "blocked_s", 1e3, "{:.0f}"),
             ("slowdown incl. runq", "slowdown_raw", 1, "{:.2f}x"),
             ("step CPU", "cpu_x", 1, "{:.2f}x"))
 SAVE = (("blocked idle ms", "blocked_idle_s", 1e3, "{:.0f}"),
+        ("staged idle ms", "staged_idle_s", 1e3, "{:.0f}"),
         ("e2e first s", "e2e_first_s", 1, "{:.2f}"),
         ("e2e busy s", "e2e_busy_s", 1, "{:.2f}"), ("e2e idle s", "e2e_idle_s", 1, "{:.2f}"),
         ("stretch", "e2e_stretch", 1, "{:.2f}x"),
@@ -585,7 +633,9 @@ def verdicts(runs: dict[str, dict[str, list[Row]]]) -> Iterator[str]:
     yield "\nTargets:"
     for kind in ("python", "torch"):
         t = runs.get(kind)
-        if t is None or not all(n in t for n in MAIN):
+        if t is not None and "ours worker" in t and _tc.NAME in t:
+            yield from versus_tc(kind, t)
+        if t is None or not all(n in t for n in TARGETS):
             continue
         w, i = t["ours worker"], t["ours inline"]
         best_dcp = min(("DCP thread", "DCP process"), key=lambda n: med(t[n], "lost_s"))
@@ -594,7 +644,7 @@ def verdicts(runs: dict[str, dict[str, list[Row]]]) -> Iterator[str]:
             yield (f"- python step: lost per save, worker / best DCP ({best_dcp}) = "
                    f"{lw * 1e3:.0f} / {ld * 1e3:.0f} ms = {lw / ld:.2f}x (target <= 0.5x): "
                    f"{ok(lw / ld <= 0.5)}; inline: {li / ld:.2f}x")
-            rw, rd = med(w, "lost_raw_s"), min(med(t[n], "lost_raw_s") for n in MAIN[2:])
+            rw, rd = med(w, "lost_raw_s"), min(med(t[n], "lost_raw_s") for n in TARGETS[2:])
             yield (f"  (run-queue waits included, as wall - thread time: worker / best DCP = "
                    f"{rw * 1e3:.0f} / {rd * 1e3:.0f} ms = {rw / rd:.2f}x)")
             sw, si = med(w, "e2e_stretch"), med(i, "e2e_stretch")
@@ -626,6 +676,23 @@ def verdicts(runs: dict[str, dict[str, list[Row]]]) -> Iterator[str]:
                    f"{ratio:.2f}x (target <= 1.10x): {ok(vw <= 1.1 * vi)}")
 
 
+def versus_tc(kind: str, t: dict[str, list[Row]]) -> Iterator[str]:
+    """Ours (worker) against torch_checkpointing: ours / theirs of what the save cost the
+    training thread and what the save took (no targets: the numbers)."""
+    w, c = t["ours worker"], t[_tc.NAME]
+    parts = []
+    for label, key in (("lost", "lost_s"), ("lost incl. runq", "lost_raw_s"),
+                       ("GIL wait", "gil_s"), ("blocked", "blocked_s"),
+                       ("staged idle", "staged_idle_s"), ("slowdown", "slowdown"),
+                       ("e2e idle", "e2e_idle_s"), ("e2e busy", "e2e_busy_s"),
+                       ("stretch", "e2e_stretch"), ("RSS+ all", "rss_all"),
+                       ("RSS peak", "rss_peak")):
+        vw, vc = med(w, key), med(c, key)
+        ratio = f"{vw / vc:.2f}x" if vc > 0 else "-"
+        parts.append(f"{label} {vw:.3g} / {vc:.3g} = {ratio}")
+    yield (f"- {kind} step: ours worker / {_tc.NAME} (s, MiB, x): " + "; ".join(parts))
+
+
 def med_of(rows: list[Row], keys: tuple[str, ...]) -> float:
     """The median of every row's value under each of ``keys``."""
     return statistics.median(r[k] for r in rows for k in keys)
@@ -645,11 +712,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"),
                     help="where checkpoints go (tmpfs; each is deleted once measured)")
     ap.add_argument("--json", type=Path, default=None, help="write every run here")
+    ap.add_argument("--systems", default=",".join(MAIN),
+                    help="the main table's systems, comma-separated (default: all)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.gib, args.idle_s = 1, 0.125, 0.25
     args.parts = set(args.parts.split(","))
     args.kinds = args.kinds.split(",")
+    args.systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    if unknown := [n for n in args.systems if n not in MAIN]:
+        ap.error(f"unknown --systems {unknown}: {', '.join(MAIN)}")
+    if _tc.NAME in args.systems and (why := _tc.missing()) is not None:
+        print(why)
+        args.systems.remove(_tc.NAME)
+    if "main" in args.parts and not args.systems:
+        raise SystemExit("no system left for the main table (--systems)")
     if os.cpu_count() is None or len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs 2 CPUs (CPU 0 for training, CPU 1 for everything else)")
     check_memory(args.gib, args.dir)
@@ -666,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         watch.close()
         dist.destroy_process_group()
     load1 = os.getloadavg()
-    print(f"\n{args.gib} GiB state, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+    tc = f", {_tc.NAME} {_tc.version()}" if _tc.NAME in args.systems else ""
+    print(f"\n{args.gib} GiB state, torch {torch.__version__}{tc}, {os.cpu_count()} CPUs, "
           f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end, "
           f"{time.time() - started:.0f} s")
     lines: list[str] = []

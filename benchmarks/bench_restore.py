@@ -1,18 +1,23 @@
 """Restore benchmark (issue 25): a GPT-like many-tensor state from the page cache, restored by
 mithril (compressed and uncompressed, straight into the live tensors) vs ``torch.load``,
-``safetensors.torch.load_file`` (every page touched) and ``dcp.load`` (into preallocated
-tensors), all in this one process, medians of ``--runs``; with each one's peak extra RSS.
+``safetensors.torch.load_file`` (every page touched), ``dcp.load`` (into preallocated
+tensors) and torch_checkpointing's ``CheckpointManager.load(id, into=...)`` (into the live
+tensors; skipped, with the reason printed, where it is not installed), all in this one
+process, medians of ``--runs``; with each one's peak extra RSS.
 
 The state: a GPT-like model in bf16 (``--layers`` blocks of 12 tensors, d_model ``--d``) and
 fp32 AdamW moments for every parameter (``exp_avg``, ``exp_avg_sq``) plus a step counter per
 parameter: 4 tensors per parameter (924 tensors, ~1.0 GiB with the defaults). Every system
 reads the same files' worth of bytes from the page cache (each is loaded once before timing).
 
-    python benchmarks/bench_restore.py [--runs 5] [--layers 19] [--d 640]
+    python benchmarks/bench_restore.py [--runs 5] [--layers 19] [--d 640] [--dir /dev/shm]
+                                       [--only dcp,torch_checkpointing,mithril]
     python benchmarks/bench_restore.py --reshard [--runs 3] [--reshard-layers 6]
 
-Prints one line per system: median seconds, GB/s of state, ratio to ``torch.load`` (time,
-ours/theirs: below 1 is faster), peak extra RSS. "mithril compressed" restores with the
+Prints one line per system: median seconds, GB/s of state, ratio to ``torch.load``,
+``dcp.load`` and torch_checkpointing's load (time, ours/theirs: below 1 is faster), peak extra
+RSS. ``--layers 22`` is a ~1.1 GiB state; ``--dir`` is where the files are (default: the temp
+dir; ``/dev/shm``: tmpfs). "mithril compressed" restores with the
 default ``verify = "block"`` (one read, every block verified before it is written);
 "verify=whole" rows verify every blob whole before the first write (two reads). Uncompressed
 blobs have no per-block hashes and take the two-read path in both modes. "before" rows run the
@@ -49,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _tc
 from _rss import PeakRSS
 
 from mithril_async import CheckpointManager, parse_config
@@ -103,6 +109,16 @@ def flat(model: torch.nn.Module, moments: torch.nn.Module) -> dict[str, torch.Te
     out = {f"model.{k}": v for k, v in model.state_dict().items()}
     out.update({f"optimizer.{k}": v for k, v in moments.state_dict().items()})
     return out
+
+
+#: torch_checkpointing's row: ``CheckpointManager.load(id, into=...)`` into the live tensors
+TC_LOAD = "torch_checkpointing.load (into live)"
+
+
+def items(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A flat state (see :func:`flat`) as torch_checkpointing's items: model, optimizer."""
+    return {item: {k: v for k, v in tensors.items() if k.startswith(f"{item}.")}
+            for item in ("model", "optimizer")}
 
 
 def touch(tensors: dict[str, torch.Tensor]) -> None:
@@ -354,6 +370,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=19)
     ap.add_argument("--d", type=int, default=640)
     ap.add_argument("--only", default="", help="comma-separated systems to run")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="where the saved files are (default: the temp dir; /dev/shm: tmpfs)")
     ap.add_argument("--reshard", action="store_true",
                     help="only the resharded restores (2 <-> 4 ranks, gloo) vs same-world")
     ap.add_argument("--reshard-layers", type=int, default=6)
@@ -385,11 +403,17 @@ def main() -> None:
     print(f"state: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB; torch threads "
           f"{torch.get_num_threads()}; runs {args.runs} (median)"
           f"{'; page cache dropped before each run' if args.cold else ''}")
-    tmp = Path(tempfile.mkdtemp(prefix="bench_restore_"))
+    tc_why = _tc.missing()
+    print(tc_why or f"{_tc.NAME} {_tc.version()}")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_restore_", dir=args.dir))
+    tc: _tc.Tc | None = None
     try:
         torch.save(sd, tmp / "state.pt")
         safetensors.torch.save_file(sd, str(tmp / "state.safetensors"))
         dcp.save(sd, checkpoint_id=str(tmp / "dcp"))
+        if tc_why is None:  # its sync saver: the same files, no writer process to start
+            tc = _tc.Tc(sync=True)
+            tc.save(tmp / "tc", items(sd)).result()
         for compress in (True, False):
             runs = tmp / ("runs_c" if compress else "runs_u")
             with CheckpointManager(config(runs, compress),
@@ -421,18 +445,22 @@ def main() -> None:
             return run
 
         managers: list[CheckpointManager] = []
+        live_items = items(live)
         systems: dict[str, Callable[[], Any]] = {
             "torch.load": lambda: torch.load(tmp / "state.pt", weights_only=True),
             "safetensors.load_file": lambda: (
                 lambda t: (touch(t), t)[1])(safetensors.torch.load_file(
                     str(tmp / "state.safetensors"))),
             "dcp.load (into live)": lambda: dcp.load(live, checkpoint_id=str(tmp / "dcp")),
+            TC_LOAD: lambda: tc.load(tmp / "tc", live_items) if tc else None,
             "mithril compressed": ours(True),
             "mithril compressed, verify=whole": ours(True, "whole"),
             "mithril uncompressed": ours(False),
             "mithril compressed, before": before(True),
             "mithril uncompressed, before": before(False),
         }
+        if tc is None:
+            del systems[TC_LOAD]
         only = {s.strip() for s in args.only.split(",") if s.strip()}
         results: dict[str, tuple[float, int]] = {}
         for name, fn in systems.items():
@@ -440,23 +468,31 @@ def main() -> None:
                 continue
             results[name] = timed(fn, args.runs, args.cold)
             s, peak = results[name]
-            print(f"  {name:<33} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
+            print(f"  {name:<37} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  "
                   f"peak extra RSS {peak / 2**20:8.1f} MiB", flush=True)
         for mgr in managers:
             mgr.close()
+        if tc is not None:
+            tc.close()
+            tc = None
         ok = all(torch.equal(live[k], sd[k]) for k in sd)
         print(f"live state after the restores equals the saved one: {ok}")
         base = results.get("torch.load")
         dcp_s = results.get("dcp.load (into live)")
+        tc_s = results.get(TC_LOAD)
         for name, (s, _peak) in results.items():
-            line = f"  {name:<33}"
+            line = f"  {name:<37}"
             if base:
                 line += f"  time vs torch.load {s / base[0]:5.2f}x"
                 line += f"  throughput vs torch.load {base[0] / s:5.2f}x"
             if dcp_s:
                 line += f"  time vs dcp.load {s / dcp_s[0]:5.2f}x"
+            if tc_s:
+                line += f"  time vs {_tc.NAME} load {s / tc_s[0]:5.2f}x"
             print(line)
     finally:
+        if tc is not None:
+            tc.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
