@@ -1,0 +1,122 @@
+"""A torchtitan-style training loop on the CPU, driven as torchtitan's ``Trainer`` drives its
+checkpoint manager (``load`` before the loop, ``maybe_wait_for_staging`` before each optimizer
+step, ``save(step, last_step)`` after each step, ``close`` at the end), with torchtitan's own
+``OptimizersContainer``, ``LRSchedulersContainer`` and ``ParallelAwareDataloader``.
+
+    python _torchtitan_train.py OUT_DIR MODE STEPS [KILL_AFTER]
+
+MODE ``run``: train from scratch (or resume from the run in OUT_DIR) to STEPS and write the
+final model, optimizer, scheduler and loader states to ``OUT_DIR/final.pt``. MODE ``crash``:
+as ``run``, but once step KILL_AFTER's save has returned, write ``OUT_DIR/ready`` (the
+checkpoint worker's pid) and wait to be killed. The model has dropout and the loader shuffles
+with its own generator, so only a resume that restores the RNG and the loader position ends
+where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+from mithril_async.integrations.torchtitan import MithrilCheckpointManager
+
+
+class Pairs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = torch.randn(n, 4, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class TrainState:
+    """The trainer's own state (torchtitan's ``Trainer.state_dict``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+
+def build(out: str, ckpt: MithrilCheckpointManager.Config, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    optimizers = default_adamw(lr=1e-2, fused=False).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=steps)
+    loader = ParallelAwareDataloader(Pairs(), dp_rank=0, dp_world_size=1, batch_size=8,
+                                     shuffle=True,
+                                     generator=torch.Generator().manual_seed(2))
+    state = TrainState()
+    checkpointer = ckpt.build(dataloader=loader, model_parts=[model], optimizers=optimizers,
+                              lr_schedulers=schedulers, states={"train_state": state},
+                              sd_adapter=None, base_folder=out)
+    return {"model": model, "optimizers": optimizers, "schedulers": schedulers,
+            "loader": loader, "state": state, "checkpointer": checkpointer}
+
+
+def batches(loader: ParallelAwareDataloader) -> Any:
+    while True:
+        yield from loader
+
+
+def train(parts: dict[str, Any], steps: int, kill_after: int | None, out: str) -> None:
+    model, opt, sched = parts["model"], parts["optimizers"], parts["schedulers"]
+    state, ckpt = parts["state"], parts["checkpointer"]
+    ckpt.load(step=-1)
+    data = batches(parts["loader"])
+    while state.step < steps:
+        state.step += 1
+        x, y = next(data)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ckpt.maybe_wait_for_staging()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        state.ntokens_seen += x.shape[0]
+        ckpt.save(state.step, last_step=state.step == steps)
+        if kill_after is not None and state.step == kill_after:
+            with open(os.path.join(out, "ready.tmp"), "w") as f:
+                f.write(str(ckpt.manager.worker_pid or ""))
+            os.rename(os.path.join(out, "ready.tmp"), os.path.join(out, "ready"))
+            while True:  # the test kills this process here, a save possibly in flight
+                time.sleep(1)
+    ckpt.close()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "loader": parts["loader"].state_dict(),
+                "state": state.state_dict(), "rng": torch.get_rng_state()},
+               os.path.join(out, "final.pt"))
+
+
+def main() -> None:
+    out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    kill_after = int(sys.argv[4]) if mode == "crash" else None
+    ckpt = MithrilCheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=2, keep_latest_k=3,
+        last_save_model_only=False,
+        mithril={"checkpointing": {"pipeline": {"process": "worker"},
+                                   "compression": {"threads": 1}}})
+    train(build(out, ckpt, steps), steps, kill_after, out)
+
+
+if __name__ == "__main__":
+    main()
