@@ -177,7 +177,7 @@ def mithril_config(source: str | os.PathLike[str] | Mapping[str, Any] | None, *,
     if source is None:
         cfg = config_from_dict({}, where="checkpoint.mithril")
     elif isinstance(source, (str, os.PathLike)):
-        cfg = load_config(source)
+        cfg = load_config(Path(source))
     elif isinstance(source, Mapping):
         cfg = config_from_dict(dict(source), where="checkpoint.mithril")
     else:

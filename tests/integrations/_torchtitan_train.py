@@ -6,11 +6,14 @@ step, ``save(step, last_step)`` after each step, ``close`` at the end), with tor
     python _torchtitan_train.py OUT_DIR MODE STEPS [KILL_AFTER]
 
 MODE ``run``: train from scratch (or resume from the run in OUT_DIR) to STEPS and write the
-final model, optimizer, scheduler and loader states to ``OUT_DIR/final.pt``. MODE ``crash``:
+final model, optimizer, scheduler, loader and RNG states (and the step it started from) to
+``OUT_DIR/final.pt``. MODE ``crash``:
 as ``run``, but once step KILL_AFTER's save has returned, write ``OUT_DIR/ready`` (the
-checkpoint worker's pid) and wait to be killed. The model has dropout and the loader shuffles
-with its own generator, so only a resume that restores the RNG and the loader position ends
-where an uninterrupted run ends.
+checkpoint worker's pid) and wait to be killed. The model has dropout (the global RNG) and the
+data comes in a new order each epoch (9 steps of 8 pairs cross the 64-pair epoch), so only a
+resume that restores the RNG and the loader position ends where an uninterrupted run ends. The
+loader has its own generator: an iterator of one without draws from the global RNG when it
+starts, which a resumed run does at another point than an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,28 +21,43 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from mithril_async.integrations.torchtitan import MithrilCheckpointManager
 
 
-class Pairs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+class Pairs(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An endless stream of (x, y) pairs in a new order each epoch, its position its own
+    state, as torchtitan's text datasets keep theirs (``state_dict`` / ``load_state_dict``)."""
+
     def __init__(self, n: int = 64) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 16, generator=g)
         self.y = torch.randn(n, 4, generator=g)
+        self.epoch = self.pos = 0
 
-    def __len__(self) -> int:
-        return len(self.x)
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            order = torch.randperm(len(self.x),
+                                   generator=torch.Generator().manual_seed(100 + self.epoch))
+            while self.pos < len(self.x):
+                i = int(order[self.pos])
+                self.pos += 1
+                yield self.x[i], self.y[i]
+            self.epoch, self.pos = self.epoch + 1, 0
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.pos = sd["epoch"], sd["pos"]
 
 
 class TrainState:
@@ -63,7 +81,6 @@ def build(out: str, ckpt: MithrilCheckpointManager.Config, steps: int) -> dict[s
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=steps)
     loader = ParallelAwareDataloader(Pairs(), dp_rank=0, dp_world_size=1, batch_size=8,
-                                     shuffle=True,
                                      generator=torch.Generator().manual_seed(2))
     state = TrainState()
     checkpointer = ckpt.build(dataloader=loader, model_parts=[model], optimizers=optimizers,
@@ -73,15 +90,15 @@ def build(out: str, ckpt: MithrilCheckpointManager.Config, steps: int) -> dict[s
             "loader": loader, "state": state, "checkpointer": checkpointer}
 
 
-def batches(loader: ParallelAwareDataloader) -> Any:
-    while True:
-        yield from loader
+def batches(loader: ParallelAwareDataloader) -> Iterator[Any]:
+    yield from loader
 
 
 def train(parts: dict[str, Any], steps: int, kill_after: int | None, out: str) -> None:
     model, opt, sched = parts["model"], parts["optimizers"], parts["schedulers"]
     state, ckpt = parts["state"], parts["checkpointer"]
     ckpt.load(step=-1)
+    start = state.step
     data = batches(parts["loader"])
     while state.step < steps:
         state.step += 1
@@ -103,7 +120,8 @@ def train(parts: dict[str, Any], steps: int, kill_after: int | None, out: str) -
     ckpt.close()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict(), "loader": parts["loader"].state_dict(),
-                "state": state.state_dict(), "rng": torch.get_rng_state()},
+                "state": state.state_dict(), "rng": torch.get_rng_state(),
+                "started_at": start},
                os.path.join(out, "final.pt"))
 
 
