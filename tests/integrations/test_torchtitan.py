@@ -2,7 +2,8 @@
 ``Trainer`` drives a checkpoint manager, with torchtitan's own ``ModelWrapper``,
 ``OptimizersContainer``, LR schedulers and ``ParallelAwareDataloader`` on the CPU (the trainer
 itself needs a GPU): a run SIGKILLed with a save in flight resumes bit-identically in a new
-process; each torchtitan field is honoured or refused by name.
+process; two gloo data-parallel ranks stopped and started again resume each rank's loader
+position and RNG; each torchtitan field is honoured or refused by name.
 
 torchtitan (0.3.0) is in the dev extra; where it is not importable these tests skip.
 """
@@ -105,6 +106,48 @@ def test_sigkilled_run_resumes_bitwise_in_a_new_process(tmp_path: Path) -> None:
     assert (want.pop("started_at"), got.pop("started_at")) == (0, resumed_from)
     assert got["state"] == {"step": 9, "ntokens_seen": 72}
     _same(want, got)
+
+
+def _launch(out: Path, args: list[str], world: int, log: Path) -> None:
+    """``world`` gloo ranks of the script, launched as torchrun would; all must succeed."""
+    from tests.ranks import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args],
+                              stdout=(log.parent / f"{log.name}.{r}").open("wb"),
+                              stderr=subprocess.STDOUT, env={**env, "RANK": str(r)})
+             for r in range(world)]
+    try:
+        for r, p in enumerate(procs):
+            assert p.wait(timeout=300) == 0, (log.parent / f"{log.name}.{r}").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_resume_each_ranks_position_bitwise(tmp_path: Path) -> None:
+    """Two data-parallel ranks (gloo, each its own data): a job stopped after step 4 and
+    started again resumes every rank (its loader position and RNG too) bit-identical to a
+    job never stopped."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    full.mkdir()
+    split.mkdir()
+    _launch(full, ["run", "6"], 2, tmp_path / "full.log")
+    _launch(split, ["stop", "6", "4"], 2, tmp_path / "first.log")
+    _launch(split, ["run", "6"], 2, tmp_path / "second.log")
+    for r in range(2):
+        want = torch.load(full / f"final-rank{r}.pt", weights_only=False)
+        got = torch.load(split / f"final-rank{r}.pt", weights_only=False)
+        assert (want.pop("started_at"), got.pop("started_at")) == (0, 4)
+        assert got["loader"] == {f"dp_rank_{r}": got["loader"][f"dp_rank_{r}"],
+                                 "world_size": 2}
+        _same(want, got)
+    a, b = (torch.load(full / f"final-rank{r}.pt", weights_only=False) for r in range(2))
+    assert a["loader"] != b["loader"]  # the ranks' positions are their own
 
 
 # ---------------------------------------------------------------- in process
