@@ -12,6 +12,10 @@ $(BIN)/python:
 
 setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
+	# torchtitan's checkpoint plug-in point and what its modules import, without its full
+	# dependency set (it would downgrade huggingface_hub and fsspec; docs/integrations/torchtitan.md)
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.17.0 typeguard==4.4.4 \
+	  spmd_types==0.2.3 torchdata==0.11.0
 
 demo: setup
 	$(BIN)/python examples/train_loop.py
