@@ -7,7 +7,10 @@ never a re-import of the training script, so a script without an ``if __name__ =
 (a manager that only restores never starts one); its start-up runs in the background while
 training goes on, and that first save's background part waits for it. A save's hand-off is the
 snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small JSON; the
-worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`.
+worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`, and the
+trainer follows it (base buffer sets, committed steps after retention) whatever became of the
+save. A save cancelled here after its hand-off is cancelled in the worker too, and its staging
+buffers stay the worker's until it answers (:attr:`WorkerClient.released`).
 
 If the worker dies, the save in flight fails with :class:`~mithril_async.errors.WorkerExited`
 naming how it ended (raised, as any failed save, by the next ``save()`` / ``wait()`` /
