@@ -300,6 +300,17 @@ class CheckpointManager:
         """The last save's future (done or not) until its outcome has been taken."""
         return None if self._handle is None else self._handle.future
 
+    def _busy_with(self) -> concurrent.futures.Future[Any] | None:
+        """What a new save waits for (or is skipped / refused for, ``on_busy``): the save in
+        flight, or a save cancelled here that the worker has not answered for yet (it may
+        still read the staging buffers the new snapshot would be taken into)."""
+        fut = self._inflight
+        if fut is not None and not fut.done():
+            return fut
+        if self._worker is not None and not self._worker.released.done():
+            return self._worker.released
+        return None
+
     @property
     def sharded_model(self) -> bool:
         """Each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole."""
@@ -493,13 +504,16 @@ class CheckpointManager:
         """Snapshot now, write in the background; returns once the snapshot is consistent."""
         t0 = time.perf_counter()
         self._begin(step)
-        fut = self._inflight
         waited = 0.0
-        if fut is not None and not fut.done():
+        if self._busy_with() is not None:
             if self.cfg.pipeline.on_busy != "wait":
                 return self._busy(step, t0)
             log.info("save of step %d waits for the previous save (on_busy=wait)", step)
-            await asyncio.wrap_future(fut)
+            while (fut := self._busy_with()) is not None:
+                if fut is self._inflight:
+                    await asyncio.wrap_future(fut)
+                else:  # the worker's release: never cancelled by this wait's cancellation
+                    await asyncio.shield(asyncio.wrap_future(fut))
             waited = time.perf_counter() - t0
         self.check_for_errors()
         job = SaveJob(self._ctx, step, t0)
@@ -515,13 +529,13 @@ class CheckpointManager:
         """Synchronous ``save()``: blocks only for the snapshot (and a busy pipeline)."""
         t0 = time.perf_counter()
         self._begin(step)
-        fut = self._inflight
         waited = 0.0
-        if fut is not None and not fut.done():
+        if self._busy_with() is not None:
             if self.cfg.pipeline.on_busy != "wait":
                 return self._busy(step, t0)
             log.info("save of step %d waits for the previous save (on_busy=wait)", step)
-            concurrent.futures.wait([fut])
+            while (fut := self._busy_with()) is not None:
+                concurrent.futures.wait([fut])
             waited = time.perf_counter() - t0
         self.check_for_errors()
         job = SaveJob(self._ctx, step, t0)
@@ -599,12 +613,14 @@ class CheckpointManager:
         return self._handle, handoff
 
     async def wait_until_finished(self) -> None:
-        """Wait for the in-flight save and its listeners; raise :class:`SaveFailed` if it
-        failed."""
+        """Wait for the in-flight save (and the worker's answer for one cancelled) and its
+        listeners; raise :class:`SaveFailed` if it failed."""
         fut = self._inflight
         if fut is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wrap_future(fut)
+        if self._worker is not None:
+            await asyncio.shield(asyncio.wrap_future(self._worker.released))
         await asyncio.get_running_loop().run_in_executor(None, self._results.flush)
         self.check_for_errors()
 
@@ -613,6 +629,8 @@ class CheckpointManager:
         fut = self._inflight
         if fut is not None:
             concurrent.futures.wait([fut])
+        if self._worker is not None:
+            concurrent.futures.wait([self._worker.released])
         self._results.flush()
         self.check_for_errors()
 

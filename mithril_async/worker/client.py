@@ -7,7 +7,10 @@ never a re-import of the training script, so a script without an ``if __name__ =
 (a manager that only restores never starts one); its start-up runs in the background while
 training goes on, and that first save's background part waits for it. A save's hand-off is the
 snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small JSON; the
-worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`.
+worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`, and the
+trainer follows it (base buffer sets, committed steps after retention) whatever became of the
+save. A save cancelled here after its hand-off is cancelled in the worker too, and its staging
+buffers stay the worker's until it answers (:attr:`WorkerClient.released`).
 
 If the worker dies, the save in flight fails with :class:`~mithril_async.errors.WorkerExited`
 naming how it ended (raised, as any failed save, by the next ``save()`` / ``wait()`` /
@@ -83,6 +86,9 @@ class WorkerClient:
         #: from then on that save survives the trainer's death
         self._sent: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._sent.set_result(None)
+        #: done once the worker has answered for the last save handed to it (see released)
+        self._released: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._released.set_result(None)
 
     @property
     def ready(self) -> bool:
@@ -95,6 +101,13 @@ class WorkerClient:
         training process."""
         self._sent = concurrent.futures.Future()
         return self._sent
+
+    @property
+    def released(self) -> concurrent.futures.Future[None]:
+        """Done once the worker has answered for the last save handed to it (or is gone).
+        Until then it may still read that save's staging buffers, even when the save was
+        cancelled here: the next snapshot must not be taken into them before."""
+        return self._released
 
     def _handed_over(self) -> None:
         """The save in flight no longer depends on this process (or will never be sent)."""
@@ -197,29 +210,61 @@ class WorkerClient:
             segments = self.arena.unsent(self._channel_id)
             msg = self._describe(job, res, metrics)
             msg["segments"] = [[i, n] for i, _, n in segments]
-            reply = channel.call("save", msg, [fd for _, fd, _ in segments])
+            reply = self._hold(channel.call("save", msg, [fd for _, fd, _ in segments]))
             self._handed_over()
-            if job.snap.overlap is not None:
-                await self._report_overlap(job, channel)
-            answer = await asyncio.wrap_future(reply)
+            try:
+                if job.snap.overlap is not None:
+                    await self._report_overlap(job, channel)
+                # shielded: a cancelled save still gets (and follows) the worker's answer
+                answer = await asyncio.shield(asyncio.wrap_future(reply))
+            except asyncio.CancelledError:
+                self._cancel(channel, job.step)
+                raise
         except ChannelClosed as err:
             died = self._died(res, job.t0)
             await self._finish_protocol(died)
             raise died from err
         update_result(res, answer["result"])
-        if answer.get("error") is None:
-            for name, base in answer.get("chains", {}).items():
-                chain = self.ctx.chains.get(name)
-                if chain is not None:
-                    chain.base_idx = base
-            if self.ctx.steps is not None:
-                self.ctx.steps.add(res.step)
         self.ctx.history.append(res)
         if answer.get("error") is not None:
             raise error_of(answer["error"])
         if self.ctx.on_save is not None:
             self.ctx.on_save(res)
         return res
+
+    def _hold(self, reply: concurrent.futures.Future[Any]) -> concurrent.futures.Future[Any]:
+        """The save ``reply`` answers is the worker's until it answers: :attr:`released`
+        is done only then, after its answer is followed here (:meth:`_follow`)."""
+        released: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._released = released
+
+        def answered(fut: concurrent.futures.Future[Any]) -> None:
+            try:
+                if not fut.cancelled() and fut.exception() is None:
+                    self._follow(fut.result())
+            finally:
+                released.set_result(None)
+
+        reply.add_done_callback(answered)
+        return reply
+
+    def _follow(self, answer: dict[str, Any]) -> None:
+        """Take the worker's view of what saves hand on (whatever became of the save:
+        committed, failed or cancelled): each item's base buffer set, which decides the
+        set the next snapshot is staged into, and the run's committed steps after the
+        commit and retention."""
+        for name, base in answer.get("chains", {}).items():
+            chain = self.ctx.chains.get(name)
+            if chain is not None:
+                chain.base_idx = base
+        if answer.get("steps") is not None:
+            self.ctx.steps = {int(s) for s in answer["steps"]}
+
+    @staticmethod
+    def _cancel(channel: Channel, step: int) -> None:
+        """The save of ``step``, handed over, was cancelled here: the worker aborts it (its
+        answer, awaited by :attr:`released`, says what became of it)."""
+        channel.call("cancel", {"step": step})  # a closed channel: released already
 
     async def _report_overlap(self, job: SaveJob, channel: Channel) -> None:
         """Tell the worker when the overlapped copy into the staged buffers is complete (or

@@ -105,6 +105,8 @@ class WorkerServer:
         #: it that arrived before the save did
         self._overlap: _OverlapGate | None = None
         self._early: dict[str, Any] | None = None
+        #: the save in flight's step and the task running its job (what "cancel" stops)
+        self._job: tuple[int, asyncio.Task[SaveResult]] | None = None
         self._lock = threading.Lock()
         self.channel = Channel(sock, self._handle, on_close=self._trainer_gone, name="worker")
         self.channel.start()
@@ -117,6 +119,8 @@ class WorkerServer:
         if method == "save":
             self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
             return self._submit(self._save(args))
+        if method == "cancel":
+            return self._submit(self._cancel(args))
         if method == "overlap_done":
             return self._submit(self._overlap_done(args))
         if method == "claim":
@@ -193,19 +197,46 @@ class WorkerServer:
             res = SaveResult(job.step, stall_s=float(args.get("stall_s", 0.0)),
                              waited_s=float(args.get("waited_s", 0.0)))
             job.adopt_result(res, args.get("metrics") or {})
+            task = asyncio.ensure_future(job.run())
+            self._job = (job.step, task)
             try:
-                await job.run()
-            except BaseException as err:
-                if isinstance(err, asyncio.CancelledError):
+                await task
+            except asyncio.CancelledError:
+                if self._job is not None:  # not the trainer's "cancel" (see _cancel)
                     raise
-                return {"result": result_doc(res), "error": error_doc(err),
-                        "chains": self._chains()}
-            return {"result": result_doc(res), "chains": self._chains()}
+                return self._answer(res, cancelled=True)  # aborted as inline
+            except BaseException as err:
+                return self._answer(res, error=err)
+            return self._answer(res)
         finally:
             self.busy -= 1
             self._overlap = None
+            self._job = None
             if self.gone.is_set():
                 self._exit_soon()
+
+    def _answer(self, res: SaveResult, *, error: BaseException | None = None,
+                cancelled: bool = False) -> dict[str, Any]:
+        """A save's answer: its result, and what the trainer's own view of the run follows
+        (each item's base buffer set, the committed steps after commit and retention)."""
+        assert self.ctx is not None
+        out: dict[str, Any] = {"result": result_doc(res), "chains": self._chains(),
+                               "steps": sorted(self.ctx.steps or ())}
+        if error is not None:
+            out["error"] = error_doc(error)
+        if cancelled:
+            out["cancelled"] = True
+        return out
+
+    async def _cancel(self, args: dict[str, Any]) -> bool:
+        """The trainer cancelled the save of ``step``: its job is cancelled (it aborts as an
+        inline save does; one already committed stays committed). Whether it still ran."""
+        job, step = self._job, int(args["step"])
+        if job is None or job[0] != step or job[1].done():
+            return False
+        self._job = None  # marks the cancellation as the trainer's (see _save)
+        job[1].cancel()
+        return True
 
     async def _overlap_done(self, args: dict[str, Any]) -> bool:
         gate = self._overlap
