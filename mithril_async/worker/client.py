@@ -1,5 +1,5 @@
 """The training process's side of a checkpoint worker: start it, hand it each snapshot, get
-each save's result back, and answer its requests for the rank protocol's collectives.
+each save's result back.
 
 The worker is ``python -m mithril_async.worker`` started with ``subprocess`` (never a fork,
 never a re-import of the training script, so a script without an ``if __name__ ==
@@ -10,7 +10,10 @@ snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small 
 worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`, and the
 trainer follows it (base buffer sets, committed steps after retention) whatever became of the
 save. A save cancelled here after its hand-off is cancelled in the worker too, and its staging
-buffers stay the worker's until it answers (:attr:`WorkerClient.released`).
+buffers stay the worker's until it answers (:attr:`WorkerClient.released`). On
+several ranks the workers run the rank protocol among themselves
+(:mod:`~mithril_async.worker.peers`): the trainers only agree once, when the manager is made,
+on where rank 0's workers listen.
 
 If the worker dies, the save in flight fails with :class:`~mithril_async.errors.WorkerExited`
 naming how it ended (raised, as any failed save, by the next ``save()`` / ``wait()`` /
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import os
@@ -36,7 +38,6 @@ from typing import Any
 
 from mithril_async.config import Config
 from mithril_async.errors import WorkerExited
-from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
@@ -50,6 +51,7 @@ from mithril_async.worker.handoff import (
     tensor_doc,
     update_result,
 )
+from mithril_async.worker.peers import rendezvous
 from mithril_async.worker.shm import SharedArena
 
 __all__ = ["WorkerClient", "worker_unsupported"]
@@ -73,10 +75,12 @@ class WorkerClient:
                       "runs_prefix": runs_prefix, "rank": ctx.rank,
                       "world_size": ctx.world_size, "sharded_model": sharded_model,
                       "keep_all": keep_all, "items": list(ctx.state)}
+        #: several ranks: where rank 0's workers listen (agreed by every rank now, a
+        #: collective) and, on rank 0, the listening socket each of its workers is handed
+        self._listener: socket.socket | None = None
+        if ctx.world_size > 1:
+            self._init["peers"], self._listener = rendezvous(ctx.coordinator)
         self.proc: subprocess.Popen[bytes] | None = None
-        #: the rank protocol's steps run for the save in flight, by name (multi-rank: a
-        #: worker that dies mid-save leaves the trainer to finish them, see _finish_protocol)
-        self._steps: dict[str, concurrent.futures.Future[Any]] = {}
         self.channel: Channel | None = None
         self._channel_id = 0
         self._ready: concurrent.futures.Future[Any] | None = None
@@ -149,7 +153,8 @@ class WorkerClient:
         self._channel_id = next(_channel_ids)
         self.channel = Channel(ours, self._handle, name="trainer").start()
         self._ready = self.channel.call(
-            "init", {**self._init, "steps": sorted(self.ctx.steps or ())})
+            "init", {**self._init, "steps": sorted(self.ctx.steps or ())},
+            [self._listener.fileno()] if self._listener is not None else None)
         self._reset_pending = False
 
     def reset_chains(self) -> None:
@@ -160,6 +165,9 @@ class WorkerClient:
     def close(self, wait: bool = True) -> None:
         """Ask the worker to exit and wait for it (killed if it does not). ``wait=False``:
         only close the channel; a worker still running a save finishes it, then exits."""
+        if self._listener is not None:  # a worker of rank 0 still running keeps its copy
+            self._listener.close()
+            self._listener = None
         if wait:
             self._stop(kill=False)
             return
@@ -206,7 +214,6 @@ class WorkerClient:
             if self._reset_pending:
                 await asyncio.wrap_future(channel.call("reset_chains"))
                 self._reset_pending = False
-            self._steps = {}
             segments = self.arena.unsent(self._channel_id)
             msg = self._describe(job, res, metrics)
             msg["segments"] = [[i, n] for i, _, n in segments]
@@ -221,9 +228,8 @@ class WorkerClient:
                 self._cancel(channel, job.step)
                 raise
         except ChannelClosed as err:
-            died = self._died(res, job.t0)
-            await self._finish_protocol(died)
-            raise died from err
+            # the other ranks' workers learn of it from their connection to this one's
+            raise self._died(res, job.t0) from err
         update_result(res, answer["result"])
         self.ctx.history.append(res)
         if answer.get("error") is not None:
@@ -314,29 +320,6 @@ class WorkerClient:
         self._stop(kill=True)
         return err
 
-    async def _finish_protocol(self, died: WorkerExited) -> None:
-        """A worker died mid-save on a rank of several: take its place in the protocol's
-        remaining collectives (a failed claim, an error part, listening for the outcome),
-        so the other ranks learn of the failure at once instead of at their timeout."""
-        steps, self._steps = self._steps, {}
-        if self.ctx.world_size == 1:
-            return
-        coord = self.ctx.coordinator
-        for fut in steps.values():  # a collective already running on its behalf ends first
-            with contextlib.suppress(Exception):
-                await asyncio.wrap_future(fut)
-        with contextlib.suppress(Exception):
-            if "agree" not in steps:
-                async def no_claim() -> int:
-                    raise died
-                await coord.agree_version(no_claim)
-            if "gather" not in steps:
-                await coord.gather_parts(RankPart(rank=self.ctx.rank, error=str(died)))
-            if "outcome" not in steps:
-                await coord.broadcast_outcome(
-                    Outcome(committed=False, error=str(died), failed_rank=self.ctx.rank)
-                    if self.ctx.rank == 0 else None)
-
     # ------------------------------------------------------------------ its requests
     def _handle(self, method: str, args: dict[str, Any], fds: list[int]
                 ) -> concurrent.futures.Future[Any] | None:
@@ -346,35 +329,9 @@ class WorkerClient:
             logging.getLogger(str(args.get("name") or "mithril_async")).log(
                 int(args.get("level") or logging.WARNING), "%s", args.get("message"))
             return None
-        run = {"coord.agree_version": ("agree", self._agree),
-               "coord.gather_parts": ("gather", self._gather),
-               "coord.broadcast_outcome": ("outcome", self._outcome)}.get(method)
-        if run is None:
-            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            fut.set_exception(ValueError(f"unknown request {method!r}"))
-            return fut
-        step, body = run
-        fut = self._steps[step] = self._loop().submit(body(args))
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut.set_exception(ValueError(f"unknown request {method!r}"))
         return fut
-
-    async def _agree(self, args: dict[str, Any]) -> int:
-        channel = self.channel
-
-        async def claim() -> int:
-            assert channel is not None
-            return int(await asyncio.wrap_future(channel.call("claim")))
-
-        return await self.ctx.coordinator.agree_version(claim)
-
-    async def _gather(self, args: dict[str, Any]) -> Any:
-        got = await self.ctx.coordinator.gather_parts(RankPart.model_validate(args["part"]))
-        return None if got is None else [p.model_dump(mode="json") for p in got]
-
-    async def _outcome(self, args: dict[str, Any]) -> Any:
-        sent = args.get("outcome")
-        got = await self.ctx.coordinator.broadcast_outcome(
-            None if sent is None else Outcome.model_validate(sent))
-        return got.model_dump(mode="json")
 
 
 def worker_unsupported(config: Config) -> str | None:

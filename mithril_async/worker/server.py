@@ -5,9 +5,10 @@ or a re-import of the training script), it builds from the run's configuration w
 pipeline needs (store, catalog, codec pool, encoder, delta chains, retention) and then, for
 each save the trainer hands over, runs :class:`~mithril_async.save.job.SaveJob` on a snapshot
 that lies in the trainer's shared staging memory (mapped here, never copied): version
-agreement and claim, encoding, writes (disk, S3), the commit, aliases and retention. The
-multi-rank steps of the protocol (agree, gather, outcome) are asked of the trainer, whose
-coordinator runs them on the checkpoint group it already has.
+agreement and claim, encoding, writes (disk, S3), the commit, aliases and retention. On
+several ranks the protocol's steps (agree, gather, outcome) run among the job's workers
+(:mod:`~mithril_async.worker.peers`), so a save every rank handed over commits even when
+every trainer is gone.
 
 When the trainer goes away (killed, crashed, exited) the save in flight is finished (and
 committed, where it needs no other rank) and the worker exits; it never waits on a dead
@@ -23,13 +24,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config
 from mithril_async.layout import RunLayout
-from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator, Outcome, RankPart
+from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
@@ -39,7 +39,7 @@ from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
 from mithril_async.save.snapshot import HandedOff
 from mithril_async.save.writers import BlobEncoder
-from mithril_async.worker.channel import Channel, RemoteError
+from mithril_async.worker.channel import Channel
 from mithril_async.worker.handoff import (
     config_of,
     error_doc,
@@ -48,47 +48,12 @@ from mithril_async.worker.handoff import (
     result_doc,
     tensor_of,
 )
+from mithril_async.worker.peers import PeerCoordinator, save_scope
 from mithril_async.worker.shm import SegmentMap
 
 __all__ = ["WorkerServer", "serve"]
 
 log = logging.getLogger("mithril_async")
-
-
-class ProxyCoordinator:
-    """The rank protocol's collectives, run by the trainer's coordinator on request; rank
-    0's claim runs here when the trainer's coordinator asks for it."""
-
-    def __init__(self, channel: Channel, rank: int, world_size: int) -> None:
-        self.channel = channel
-        self.rank = rank
-        self.world_size = world_size
-        self.claim: Callable[[], Awaitable[int]] | None = None
-
-    async def _ask(self, method: str, args: dict[str, Any]) -> Any:
-        try:
-            return await asyncio.wrap_future(self.channel.call(method, args))
-        except RemoteError as err:  # the coordinator's own error, as inline
-            raise error_of({"kind": err.kind, "message": err.message}) from None
-
-    async def agree_version(self, claim: Callable[[], Awaitable[int]]) -> int:
-        self.claim = claim
-        try:
-            return int(await self._ask("coord.agree_version", {}))
-        finally:
-            self.claim = None
-
-    async def gather_parts(self, part: RankPart) -> list[RankPart] | None:
-        got = await self._ask("coord.gather_parts", {"part": part.model_dump(mode="json")})
-        return None if got is None else [RankPart.model_validate(p) for p in got]
-
-    async def broadcast_outcome(self, outcome: Outcome | None) -> Outcome:
-        sent = None if outcome is None else outcome.model_dump(mode="json")
-        return Outcome.model_validate(await self._ask("coord.broadcast_outcome",
-                                                      {"outcome": sent}))
-
-    def close(self) -> None:
-        return None
 
 
 class WorkerServer:
@@ -98,7 +63,6 @@ class WorkerServer:
         self.segments = SegmentMap()
         self.loop: BackgroundLoop | None = None
         self.ctx: SaveContext | None = None
-        self.proxy: ProxyCoordinator | None = None
         self.busy = 0
         self.gone = threading.Event()
         #: the save in flight's stand-in for the trainer's overlapped copy, and a verdict on
@@ -115,7 +79,7 @@ class WorkerServer:
     def _handle(self, method: str, args: dict[str, Any], fds: list[int]
                 ) -> concurrent.futures.Future[Any] | Any:
         if method == "init":
-            return self._init(args)
+            return self._init(args, fds)
         if method == "save":
             self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
             return self._submit(self._save(args))
@@ -123,9 +87,6 @@ class WorkerServer:
             return self._submit(self._cancel(args))
         if method == "overlap_done":
             return self._submit(self._overlap_done(args))
-        if method == "claim":
-            assert self.proxy is not None and self.proxy.claim is not None
-            return self._submit(self.proxy.claim())
         if method == "reset_chains":
             return self._submit(self._reset())
         if method == "close":
@@ -137,7 +98,7 @@ class WorkerServer:
         assert self.loop is not None, "init first"
         return self.loop.submit(coro)
 
-    def _init(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _init(self, args: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         config: Config = config_of(args["config"])
         cfg = config.checkpointing
         rank, world = int(args["rank"]), int(args["world_size"])
@@ -149,11 +110,12 @@ class WorkerServer:
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         pool = CodecPool(threads, "mithril-codec")
         comp = cfg.compression
-        coordinator: Coordinator
-        if world > 1:
-            coordinator = self.proxy = ProxyCoordinator(self.channel, rank, world)
-        else:
-            coordinator = LocalCoordinator()
+        self.loop = BackgroundLoop()
+        coordinator: Coordinator = LocalCoordinator()
+        if world > 1:  # rank 0 was handed the socket its peers connect to
+            listener = socket.socket(fileno=fds[0]) if rank == 0 else None
+            coordinator = PeerCoordinator(rank, world, args["peers"], listener)
+            self.loop.run(coordinator.start())
         self.ctx = SaveContext(
             # the state's item names (what a rank's discard of an aborted save removes)
             config=config, state=dict.fromkeys(args.get("items") or ()), store=store,
@@ -167,7 +129,6 @@ class WorkerServer:
             retention=None if args.get("keep_all") else from_config(cfg),
             sharded_model=bool(args.get("sharded_model")))
         self.ctx.steps = set(args.get("steps") or [])
-        self.loop = BackgroundLoop()
         return {"pid": os.getpid()}
 
     async def _save(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +161,8 @@ class WorkerServer:
             task = asyncio.ensure_future(job.run())
             self._job = (job.step, task)
             try:
-                await task
+                async with save_scope(ctx.coordinator, job.step):
+                    await task
             except asyncio.CancelledError:
                 if self._job is not None:  # not the trainer's "cancel" (see _cancel)
                     raise
@@ -274,6 +236,7 @@ class WorkerServer:
                 loop.run(ctx.store.close())
             except Exception:  # the process ends anyway
                 log.exception("closing the store")
+            ctx.coordinator.close()  # leaving the workers' group: the others learn it at once
             loop.close()
         if ctx is not None:
             ctx.pool.shutdown(wait=True)
