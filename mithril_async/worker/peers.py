@@ -289,9 +289,11 @@ class PeerCoordinator:
                     or not hmac.compare_digest(str(hello.get("secret")).encode(),
                                                self._secret.encode())):
                 raise ValueError("not a checkpoint worker of this job")
-        except Exception as err:
-            log.warning("checkpoint workers: refused a connection from %s: %r",
-                        writer.get_extra_info("peername"), err)
+        except Exception as err:  # ended before saying who it is: a worker that died
+            level = (logging.DEBUG if isinstance(err, asyncio.IncompleteReadError)
+                     else logging.WARNING)
+            log.log(level, "checkpoint workers: refused a connection from %s: %r",
+                    writer.get_extra_info("peername"), err)
             conn.close()
             return
         conn.peer = rank
