@@ -138,6 +138,10 @@ class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: int | None) -> None:
         self.reader, self.writer, self.peer = reader, writer, peer
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # small messages answer each other: none waits for an ACK
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         #: why the connection ended (None while it is up)
         self.lost: str | None = None
 
