@@ -274,10 +274,11 @@ class CheckpointingConfig(_Strict):
     remote: RemoteConfig | None = None
     restore: RestoreConfig = Field(default_factory=lambda: RestoreConfig())
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
-    #: NaN / Inf in a floating tensor (counted as the encoder reads it): "hold" commits the
-    #: version (nothing is lost) but ``latest`` and ``best`` never move to it and a warning
-    #: names the tensors; "fail" fails the save with NonFiniteState (nothing committed);
-    #: "allow" only records the counts (the manifest's blobs, ``nonfinite``)
+    #: NaN / Inf in a floating or complex tensor (counted as the encoder reads it; a complex
+    #: element's parts each count): "hold" commits the version (nothing is lost) but
+    #: ``latest`` and ``best`` never move to it and a warning names the tensors; "fail"
+    #: fails the save with NonFiniteState (nothing committed); "allow" only
+    #: records the counts (the manifest's blobs, ``nonfinite``)
     nonfinite: Literal["hold", "fail", "allow"] = "hold"
     #: "<item>/<tensor>" globs (fnmatch, case-sensitive) of tensors whose NaN / Inf are
     #: legitimate (an attention mask's -inf, ``"model/*attn_mask*"``): counted, never held
