@@ -372,6 +372,37 @@ class Config(BaseModel):
         return self
 
 
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """``config`` with every local path of ``[checkpointing]`` made absolute against the
+    working directory of now (``~`` expanded): ``runs_path``, ``tiers.local`` (placeholders
+    kept) and a folder given as ``export_hf_on_close``.
+
+    A manager resolves them once, when it is created, so that a script that changes
+    directory afterwards still saves, exports and finds its versions where the manager was
+    created, and a checkpoint worker (a process started later, in whatever directory the
+    trainer is in then) uses the same folders. ``config`` itself is left as it is: a copy is
+    returned when anything had to change."""
+    ck = config.checkpointing
+    runs = _absolute(ck.runs_path)
+    local = None if ck.tiers is None else _absolute(ck.tiers.local)
+    export = ck.export_hf_on_close
+    export = _absolute(export) if isinstance(export, str) else export
+    if (runs, local, export) == (ck.runs_path, None if ck.tiers is None else ck.tiers.local,
+                                 ck.export_hf_on_close):
+        return config
+    out = config.model_copy(deep=True)
+    out.source_toml = config.source_toml
+    cko = out.checkpointing
+    cko.runs_path, cko.export_hf_on_close = runs, export
+    if cko.tiers is not None and local is not None:
+        cko.tiers.local = local
+    return out
+
+
 def _format_errors(err: ValidationError, where: str) -> str:
     lines = []
     for e in err.errors():

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from mithril_async.catalog import RunCatalog
-from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.config import CheckpointingConfig, Config, load_config, with_absolute_paths
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ConfigError,
@@ -130,7 +130,9 @@ class CheckpointManager:
         retention: Policy | None = _UNSET,
         tier_remote: Store | None = None,
     ) -> None:
-        self.config = config if isinstance(config, Config) else Config(checkpointing=config)
+        # relative local paths resolve here, once: a later chdir moves no save (nor the worker's)
+        self.config = with_absolute_paths(
+            config if isinstance(config, Config) else Config(checkpointing=config))
         self.cfg = cfg = self.config.checkpointing
         if "model" not in state:
             raise ValueError("state must contain a 'model' entry (anything with state_dict())")
