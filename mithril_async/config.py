@@ -114,11 +114,20 @@ class PipelineConfig(_Strict):
     #: the training process, which keeps only the snapshot, staged in shared memory), or
     #: "inline", threads of the training process. Saves of a configuration a worker cannot
     #: serve (the lossy tier, tiers, a store/coordinator/retention object passed to the
-    #: manager, a save streamed under host_memory_mib) run inline; the manager logs why and
-    #: says so in ``manager.process``. The default is "worker" (a busy training thread and
+    #: manager, a save streamed under host_memory_mib, no memfd_create) run inline when
+    #: "worker" is only the default (the manager logs why and says so in
+    #: ``manager.process``), and are refused with a ConfigError when the key says "worker"
+    #: (worker_required). The default is "worker" (a busy training thread and
     #: the save no longer slow each other through the GIL: docs/BENCHMARKS.md); the
     #: environment variable ``MITHRIL_PROCESS`` changes the default only
     process: Literal["worker", "inline"] = Field(default_factory=lambda: default_process())
+
+    @property
+    def worker_required(self) -> bool:
+        """``process = "worker"`` was set in the configuration itself (the key present, or
+        assigned), not taken from the default or ``MITHRIL_PROCESS``: then a configuration
+        a worker cannot serve is refused instead of run inline (see ``process``)."""
+        return self.process == "worker" and "process" in self.model_fields_set
 
 
 def default_process() -> Literal["worker", "inline"]:

@@ -100,6 +100,21 @@ def open_run_store(cfg: CheckpointingConfig) -> tuple[Store, str]:
     return MirrorStore(local, remote), prefix
 
 
+def _refuse_unserved_worker(config: Config, given: list[str]) -> None:
+    """:class:`ConfigError` when the configuration itself sets ``process = "worker"`` and
+    asks for something a checkpoint worker cannot serve (the default runs it inline)."""
+    if not config.checkpointing.pipeline.worker_required:
+        return
+    why = worker_unsupported(config) or (
+        f"{' and '.join(given)} was passed to the manager (store= / coordinator= / "
+        "retention=)" if given else None)
+    if why is not None:
+        raise ConfigError(
+            f'checkpointing.pipeline.process = "worker" is set, but {why}: a checkpoint '
+            'worker cannot serve this; set process = "inline", or leave the key out to '
+            "run such saves in the training process")
+
+
 class CheckpointManager:
     """Background checkpointing of a dict of stateful objects (model, optimizer, ...).
 
@@ -147,6 +162,7 @@ class CheckpointManager:
                                         ("a retention policy", retention))
                  if obj is not None and obj is not _UNSET]
         keep_all = retention is None  # a worker keeps every version too
+        _refuse_unserved_worker(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
         self.tiers = Tiers.of(self.config, remote=tier_remote)
         if self.tiers is not None:  # this node's folder, the tier commit, retention per tier
@@ -558,6 +574,8 @@ class CheckpointManager:
             run = self._worker.run(job, dict(metrics or {}))
         else:  # inline (a streamed save in worker mode too: its chains restart)
             if self._worker is not None:
+                log.info('process = "worker": save of step %d runs in the training process '
+                         "(streamed under host_memory_mib)", job.step)
                 self._worker.reset_chains()
             run = job.run()
         self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))
