@@ -14,7 +14,9 @@ name (:func:`swap_in`):
   folders complete beside it: rename the ``.previous-`` one back (or the ``.export-`` one in).
 
 A failure before the swap deletes the sibling (:func:`discard`) and leaves the previous
-folder as it was, whatever the failure. Entries of the previous folder that the new one
+folder as it was, whatever the failure; an export killed before it leaves its ``.export-``
+sibling behind (never removed by a later export, which cannot tell it from a live one on
+another host sharing the folder): delete it. Entries of the previous folder that the new one
 does not write themselves (a README, training arguments, subfolders) are carried over
 (:func:`new_sibling`) as hard links (copies where a link fails), so replacing an export
 keeps them, as writing into the folder did. The price: room for both exports at once.
