@@ -114,11 +114,20 @@ class PipelineConfig(_Strict):
     #: the training process, which keeps only the snapshot, staged in shared memory), or
     #: "inline", threads of the training process. Saves of a configuration a worker cannot
     #: serve (the lossy tier, tiers, a store/coordinator/retention object passed to the
-    #: manager, a save streamed under host_memory_mib) run inline; the manager logs why and
-    #: says so in ``manager.process``. The default is "worker" (a busy training thread and
+    #: manager, a save streamed under host_memory_mib, no memfd_create) run inline when
+    #: "worker" is only the default (the manager logs why and says so in
+    #: ``manager.process``), and are refused with a ConfigError when the key says "worker"
+    #: (worker_required). The default is "worker" (a busy training thread and
     #: the save no longer slow each other through the GIL: docs/BENCHMARKS.md); the
     #: environment variable ``MITHRIL_PROCESS`` changes the default only
     process: Literal["worker", "inline"] = Field(default_factory=lambda: default_process())
+
+    @property
+    def worker_required(self) -> bool:
+        """``process = "worker"`` was set in the configuration itself (the key present, or
+        assigned), not taken from the default or ``MITHRIL_PROCESS``: then a configuration
+        a worker cannot serve is refused instead of run inline (see ``process``)."""
+        return self.process == "worker" and "process" in self.model_fields_set
 
 
 def default_process() -> Literal["worker", "inline"]:
@@ -280,10 +289,11 @@ class CheckpointingConfig(_Strict):
     remote: RemoteConfig | None = None
     restore: RestoreConfig = Field(default_factory=lambda: RestoreConfig())
     lossy: LossyConfig = Field(default_factory=lambda: LossyConfig())
-    #: NaN / Inf in a floating tensor (counted as the encoder reads it): "hold" commits the
-    #: version (nothing is lost) but ``latest`` and ``best`` never move to it and a warning
-    #: names the tensors; "fail" fails the save with NonFiniteState (nothing committed);
-    #: "allow" only records the counts (the manifest's blobs, ``nonfinite``)
+    #: NaN / Inf in a floating or complex tensor (counted as the encoder reads it; a complex
+    #: element's parts each count): "hold" commits the version (nothing is lost) but
+    #: ``latest`` and ``best`` never move to it and a warning names the tensors; "fail"
+    #: fails the save with NonFiniteState (nothing committed); "allow" only
+    #: records the counts (the manifest's blobs, ``nonfinite``)
     nonfinite: Literal["hold", "fail", "allow"] = "hold"
     #: "<item>/<tensor>" globs (fnmatch, case-sensitive) of tensors whose NaN / Inf are
     #: legitimate (an attention mask's -inf, ``"model/*attn_mask*"``): counted, never held
@@ -382,6 +392,37 @@ class Config(BaseModel):
             raise ValueError(f"checkpointing.record_config names {missing}, which the "
                              "configuration does not have")
         return self
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute())
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """``config`` with every local path of ``[checkpointing]`` made absolute against the
+    working directory of now (``~`` expanded): ``runs_path``, ``tiers.local`` (placeholders
+    kept) and a folder given as ``export_hf_on_close``.
+
+    A manager resolves them once, when it is created, so that a script that changes
+    directory afterwards still saves, exports and finds its versions where the manager was
+    created, and a checkpoint worker (a process started later, in whatever directory the
+    trainer is in then) uses the same folders. ``config`` itself is left as it is: a copy is
+    returned when anything had to change."""
+    ck = config.checkpointing
+    runs = _absolute(ck.runs_path)
+    local = None if ck.tiers is None else _absolute(ck.tiers.local)
+    export = ck.export_hf_on_close
+    export = _absolute(export) if isinstance(export, str) else export
+    if (runs, local, export) == (ck.runs_path, None if ck.tiers is None else ck.tiers.local,
+                                 ck.export_hf_on_close):
+        return config
+    out = config.model_copy(deep=True)
+    out.source_toml = config.source_toml
+    cko = out.checkpointing
+    cko.runs_path, cko.export_hf_on_close = runs, export
+    if cko.tiers is not None and local is not None:
+        cko.tiers.local = local
+    return out
 
 
 def _format_errors(err: ValidationError, where: str) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from mithril_async.catalog import RunCatalog
-from mithril_async.config import CheckpointingConfig, Config, load_config
+from mithril_async.config import CheckpointingConfig, Config, load_config, with_absolute_paths
 from mithril_async.current_run import resolve_run_id
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
@@ -102,6 +102,21 @@ def open_run_store(cfg: CheckpointingConfig) -> tuple[Store, str]:
     return MirrorStore(local, remote), prefix
 
 
+def _refuse_unserved_worker(config: Config, given: list[str]) -> None:
+    """:class:`ConfigError` when the configuration itself sets ``process = "worker"`` and
+    asks for something a checkpoint worker cannot serve (the default runs it inline)."""
+    if not config.checkpointing.pipeline.worker_required:
+        return
+    why = worker_unsupported(config) or (
+        f"{' and '.join(given)} was passed to the manager (store= / coordinator= / "
+        "retention=)" if given else None)
+    if why is not None:
+        raise ConfigError(
+            f'checkpointing.pipeline.process = "worker" is set, but {why}: a checkpoint '
+            'worker cannot serve this; set process = "inline", or leave the key out to '
+            "run such saves in the training process")
+
+
 class CheckpointManager:
     """Background checkpointing of a dict of stateful objects (model, optimizer, ...).
 
@@ -132,7 +147,9 @@ class CheckpointManager:
         retention: Policy | None = _UNSET,
         tier_remote: Store | None = None,
     ) -> None:
-        self.config = config if isinstance(config, Config) else Config(checkpointing=config)
+        # relative local paths resolve here, once: a later chdir moves no save (nor the worker's)
+        self.config = with_absolute_paths(
+            config if isinstance(config, Config) else Config(checkpointing=config))
         self.cfg = cfg = self.config.checkpointing
         if "model" not in state:
             raise ValueError("state must contain a 'model' entry (anything with state_dict())")
@@ -147,6 +164,7 @@ class CheckpointManager:
                                         ("a retention policy", retention))
                  if obj is not None and obj is not _UNSET]
         keep_all = retention is None  # a worker keeps every version too
+        _refuse_unserved_worker(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
         self.tiers = Tiers.of(self.config, remote=tier_remote)
         if self.tiers is not None:  # this node's folder, the tier commit, retention per tier
@@ -607,6 +625,8 @@ class CheckpointManager:
             run = self._worker.run(job, dict(metrics or {}))
         else:  # inline (a streamed save in worker mode too: its chains restart)
             if self._worker is not None:
+                log.info('process = "worker": save of step %d runs in the training process '
+                         "(streamed under host_memory_mib)", job.step)
                 self._worker.reset_chains()
             run = job.run()
         self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))

@@ -200,7 +200,8 @@ class NonFiniteTally:
     @classmethod
     def of(cls, dtype_name: str) -> NonFiniteTally | None:
         """A tally for ``dtype_name`` (a stable dtype name), None for a dtype without NaN or
-        Inf (integers, bool, complex, float4)."""
+        Inf (integers, bool, float4). A complex dtype's tally counts its components (its
+        elements are pairs of the component's float format)."""
         code = NONFINITE_FORMATS.get(dtype_name)
         return None if code is None else cls(code)
 

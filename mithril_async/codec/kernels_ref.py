@@ -57,12 +57,15 @@ NONFINITE_SPECS: dict[int, tuple[int, int, int, bool]] = {
     9: (1, 0xFF, 0x80, False),  # *fnuz: NaN = 0x80 only, no Inf
     10: (1, 0xFF, 0xFF, False),  # float8_e8m0fnu: NaN = 0xff, no sign, no Inf
 }
-#: the NaN/Inf format of every dtype that has NaN or Inf, by stable dtype name (complex
-#: dtypes and float4_e2m1fn_x2, which has neither, are not counted)
+#: the NaN/Inf format of every dtype that has NaN or Inf, by stable dtype name
+#: (float4_e2m1fn_x2 has neither). A complex dtype is counted as its real and imaginary
+#: components, each in its component's float format (complex64: two float32), so an element
+#: with a NaN real part and an Inf imaginary part counts one NaN and one Inf
 NONFINITE_FORMATS: dict[str, int] = {
     "float16": 1, "bfloat16": 2, "float32": 3, "float64": 4, "float8_e5m2": 5,
     "float8_e4m3": 6, "float8_e3m4": 7, "float8_e4m3fn": 8, "float8_e4m3fnuz": 9,
     "float8_e5m2fnuz": 9, "float8_e4m3b11fnuz": 9, "float8_e8m0fnu": 10,
+    "complex32": 1, "complex64": 3, "complex128": 4,
 }
 
 

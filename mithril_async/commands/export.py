@@ -7,7 +7,8 @@ Writes what ``save_pretrained`` writes: ``model.safetensors``, or past ``--max-s
 DTensor) is consolidated into full tensors one output file at a time. RUN is a run folder
 (with ``--version``, default ``latest``), VERSION a version folder or its ``manifest.json``.
 Every checksum is verified on the way; an OUT_DIR that is not empty is refused without
-``--force``.
+``--force``. The export is written beside OUT_DIR and takes its place only once complete, so
+a failed export leaves OUT_DIR (and with ``--force`` the previous export in it) intact.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def add_parser(sub: Any) -> None:
                         "500MB, 2GiB, or bytes")
     p.add_argument("--dtype", default=None,
                    help="cast floating-point tensors to this dtype (e.g. bfloat16)")
-    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.add_argument("--force", action="store_true",
+                   help="replace the export in a folder that is not empty (once the new one "
+                        "is complete; its other files are kept)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="print nothing on success (and no progress bar)")

@@ -22,13 +22,16 @@ model. ``dtype`` casts floating-point tensors on the way (integer and bool tenso
 theirs, as ``from_pretrained(dtype=...)`` does). Everything read is verified as a restore
 verifies it; the recorded files are checked before anything is written.
 
-Writing: every file atomically (temp file, fsync, rename); the weight files first, then the
-index, the tokenizer and generation files, and ``config.json`` last, so a folder cut short
-has no ``config.json`` and ``from_pretrained`` refuses it instead of loading part of it;
-an export that fails (a damaged block found in its third file) removes what it wrote (the
-folder, if it made it). A folder that is not empty is refused (:class:`OutputExists`) unless
-``force``; then weight files of an earlier export that this one does not rewrite are removed
-(as ``save_pretrained`` does) and other files are left alone.
+Writing: into a fresh folder beside the output folder, every file atomically (temp file,
+fsync, rename; the weight files, the index, the tokenizer and generation files, then
+``config.json``), and only once it is complete does it take the output folder's name
+(:mod:`~mithril_async.export.replace`: an atomic exchange on Linux). So the output folder
+always holds a whole export or none, and an export that fails (a damaged block found in its
+third file) leaves it exactly as it was: empty or missing, or, with ``force``, the previous
+export, intact. A folder that is not empty is refused (:class:`OutputExists`) unless
+``force``; then the export replaces it, keeping the folder's other files (a README: carried
+over as hard links) but none of the previous weight files (as ``save_pretrained`` removes
+those it does not rewrite). Replacing needs room for both exports at once.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
@@ -57,6 +59,7 @@ from mithril_async.errors import (
     UnsupportedStateType,
 )
 from mithril_async.export.hf_files import is_weights_file, read_hf_files
+from mithril_async.export.replace import discard, new_sibling, swap_in
 from mithril_async.export.tensors import TensorSpec, open_item_tensors
 from mithril_async.pipeline.loop import run_to_completion
 from mithril_async.restore.reader import DEFAULT_INFLIGHT_MIB, VersionReader
@@ -196,7 +199,7 @@ def _check_out_dir(out: Path, force: bool) -> None:
         raise OutputExists(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise OutputExists(f"{out} exists and is not empty (use force=True / --force to "
-                           "write into it)")
+                           "replace the export in it)")
 
 
 def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -243,13 +246,6 @@ def _config_json(data: bytes, dtype: torch.dtype | None) -> bytes:
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _remove_stale(out: Path, keep: set[str]) -> None:
-    """Weight files of an earlier export that this one does not rewrite."""
-    for p in out.iterdir():
-        if p.is_file() and is_weights_file(p.name) and p.name not in keep:
-            p.unlink()
-
-
 async def export_hf_async(catalog: RunCatalog, out_dir: str | os.PathLike[str], *,
                           version: str | int = "latest", item: str = "model",
                           max_shard_size: int | str = "5GB",
@@ -287,10 +283,11 @@ async def export_hf_async(catalog: RunCatalog, out_dir: str | os.PathLike[str], 
         names = shard_names(len(groups))
         total = sum(sizes.values())
         by_name = {s.name: s for s in tensors.specs}
-        created = not out.exists()
-        written: list[Path] = []
+        target = out.resolve()  # a symlink to a folder: that folder is replaced
+        # the replacement is written beside the folder, which it replaces once complete
+        work = await loop.run_in_executor(None, new_sibling, target, lambda name: not (
+            is_weights_file(name) or name in extra))
         try:
-            out.mkdir(parents=True, exist_ok=True)
             done = 0
             for fname, group in zip(names, groups, strict=True):
                 specs = [by_name[n] for n in file_order(
@@ -298,20 +295,17 @@ async def export_hf_async(catalog: RunCatalog, out_dir: str | os.PathLike[str], 
                 got = await tensors.read(specs)
                 pairs = [(s.name, got[s.stored]) for s in specs]
                 del got
-                done += await loop.run_in_executor(None, write_shard, out / fname, pairs,
+                done += await loop.run_in_executor(None, write_shard, work / fname, pairs,
                                                    cast)
-                written.append(out / fname)
                 del pairs
                 if on_progress is not None:
                     on_progress(done, total)
             numel = sum(s.numel for s in tensors.specs)
-            await loop.run_in_executor(None, _finish, out, names, groups, total, numel,
+            await loop.run_in_executor(None, _finish, work, names, groups, total, numel,
                                        extra, cast)
-        except BaseException:  # no folder that looks like an export but is not one
-            if created:
-                shutil.rmtree(out, ignore_errors=True)
-            for p in written:
-                p.unlink(missing_ok=True)
+            await loop.run_in_executor(None, swap_in, work, target)
+        except BaseException:  # the previous folder (if any) stays as it was
+            discard(work)
             raise
     return ExportResult(str(out), catalog.layout.run_id, m.version_id, m.step, item,
                         None if cast is None else str(cast).removeprefix("torch."), names,
@@ -320,8 +314,7 @@ async def export_hf_async(catalog: RunCatalog, out_dir: str | os.PathLike[str], 
 
 def _finish(out: Path, names: list[str], groups: list[list[str]], total_size: int,
             total_numel: int, extra: Mapping[str, bytes], cast: torch.dtype | None) -> None:
-    """Stale weight files removed, then the index, the recorded files, ``config.json``."""
-    _remove_stale(out, set(names))
+    """The index, the recorded files, ``config.json`` (the weight files are written)."""
     if len(names) > 1:
         weight_map = {n: fname for fname, group in zip(names, groups, strict=True)
                       for n in group}

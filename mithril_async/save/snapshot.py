@@ -31,7 +31,7 @@ import torch
 
 from mithril_async.device import pinning
 from mithril_async.distributed import pieces_of, to_local
-from mithril_async.errors import HostMemoryExceeded
+from mithril_async.errors import ConfigError, HostMemoryExceeded
 from mithril_async.manifest import PieceMeta
 from mithril_async.memory.budget import mib
 from mithril_async.memory.ring import SlotRing
@@ -214,6 +214,14 @@ class StateSnapshot:
         """Hand the live tensors to the encoder through the slot ring (see module doc)."""
         ctx, memory = self.ctx, self.ctx.memory
         assert memory.limit is not None
+        pipe = ctx.config.checkpointing.pipeline
+        if pipe.worker_required:  # a streamed save would run inline: refused, not hidden
+            raise ConfigError(
+                'checkpointing.pipeline.process = "worker" is set, but this state does not '
+                f"fit checkpointing.pipeline.host_memory_mib = {pipe.host_memory_mib} staged, "
+                "and a save streamed under it runs in the training process; raise "
+                'host_memory_mib, set process = "inline", or leave the key out; nothing was '
+                "saved")
         if ctx.lossy is not None:
             raise HostMemoryExceeded(
                 "[checkpointing.lossy] keeps a reconstruction of the state's weights and "

@@ -335,12 +335,15 @@ class WorkerClient:
 
 
 def worker_unsupported(config: Config) -> str | None:
-    """Why saves of this configuration cannot run in a worker (None: they can)."""
+    """Why saves of this configuration cannot run in a worker (None: they can), naming the
+    key or platform feature at fault. (A save streamed under ``host_memory_mib`` is decided
+    per save, by the snapshot; objects passed to the manager, by the manager.)"""
     cfg = config.checkpointing
     if not hasattr(os, "memfd_create"):
         return "this platform has no memfd_create (the staged snapshot's shared memory)"
     if cfg.lossy.enabled:
-        return "the lossy tier keeps its reconstruction in the training process"
+        return ("the lossy tier (checkpointing.lossy.enabled) keeps its reconstruction in "
+                "the training process")
     if cfg.tiers is not None:
-        return "tiers replicate over the training process's groups"
+        return "tiers ([checkpointing.tiers]) replicate over the training process's groups"
     return None

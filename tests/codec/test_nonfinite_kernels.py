@@ -14,6 +14,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 
 from mithril_async.codec import kernels as K
 from mithril_async.codec import kernels_ref as R
@@ -22,7 +23,8 @@ from mithril_async.codec.dtypes import DTYPES
 from tests.codec.test_kernels import backend
 
 LEVELS = K.available_backends()  # numpy and every native level of this CPU
-FORMATS = sorted(R.NONFINITE_FORMATS.items())
+#: the float formats (a complex dtype is counted in its component's format)
+FORMATS = sorted((n, c) for n, c in R.NONFINITE_FORMATS.items() if not n.startswith("complex"))
 #: element counts around the SIMD blocks (16 / 32 elements, 4-vector copy blocks) and tails
 COUNTS = [0, 1, 15, 31, 32, 33, 64, 127, 129, 1000, 4099]
 
@@ -68,10 +70,10 @@ def test_oracle_counts_what_the_floats_say(name: str, code: int) -> None:
 
 def test_every_float_dtype_with_nan_or_inf_has_a_format() -> None:
     for name, info in DTYPES.items():
-        if info.kind != "float" or name == "float4_e2m1fn_x2":  # fp4 has neither
-            continue
+        if info.kind not in ("float", "complex") or name == "float4_e2m1fn_x2":
+            continue  # fp4 has neither
         code = R.NONFINITE_FORMATS[name]
-        assert R.NONFINITE_SPECS[code][0] == info.itemsize, name
+        assert R.NONFINITE_SPECS[code][0] == info.group_width, name
     assert "float8_e4m3fn" in R.NONFINITE_FORMATS
     # e4m3fn has no Inf: its all-ones magnitude is NaN, S.1111.000 is a finite 256
     code = R.NONFINITE_FORMATS["float8_e4m3fn"]
@@ -139,7 +141,7 @@ def test_a_delta_counts_the_values_not_their_xor(level: str) -> None:
 def test_tally_refuses_other_element_widths() -> None:
     t = K.NonFiniteTally.of("float32")
     assert t is not None and K.NonFiniteTally.of("int32") is None
-    assert K.NonFiniteTally.of("complex64") is None
+    assert K.NonFiniteTally.of("bool") is None
     data = np.zeros(64, np.uint8)
     with pytest.raises(ValueError, match="4-byte elements cannot count 2-byte"):
         K.group(data, 2, tally=t)
@@ -180,3 +182,21 @@ def test_count_after_visits_every_byte_in_order_and_counts_whole_elements(level:
             bytes(run)), run_bytes=1001)  # rounded down to whole 8-byte elements
     assert b"".join(seen) == a.tobytes() and {len(s) for s in seen[:-1]} == {1000}
     assert (t.nan, t.inf) == R.count_nonfinite(a, code) != (0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex32, torch.complex64, torch.complex128])
+def test_complex_tensors_count_each_component(dtype: torch.dtype) -> None:
+    """A complex element is two floats of the component's format: a NaN real part and an
+    Inf imaginary part count one NaN and one Inf."""
+    t = torch.zeros(33, dtype=torch.complex64)
+    t[3] = complex(float("nan"), float("inf"))
+    t[20] = complex(1.0, float("-inf"))
+    raw = t.to(dtype).view(torch.uint8).numpy()
+    tally = K.NonFiniteTally.of(str(dtype).removeprefix("torch."))
+    assert tally is not None
+    K.count_nonfinite(raw, tally)
+    assert (tally.nan, tally.inf) == (1, 2)
+    grouped = K.NonFiniteTally.of(str(dtype).removeprefix("torch."))
+    assert grouped is not None
+    K.group(raw, grouped.width, tally=grouped)
+    assert (grouped.nan, grouped.inf) == (1, 2)

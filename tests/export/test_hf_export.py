@@ -4,6 +4,7 @@ blob, the memory bound, overwrites, errors, the recorded files' checks, export o
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import tracemalloc
 from pathlib import Path
@@ -262,3 +263,103 @@ def test_an_export_that_fails_midway_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatch):
         export_hf(run, mine, max_shard_size="16KB")
     assert list(mine.iterdir()) == []  # a folder it did not make stays, emptied of its files
+
+
+def _damage_late(blob: Path) -> None:
+    data = bytearray(blob.read_bytes())
+    data[int(len(data) * 0.8)] ^= 0x01  # a late tensor: found after files were written
+    blob.write_bytes(bytes(data))
+
+
+def _siblings(folder: Path) -> list[str]:
+    """What an export left beside ``folder`` (its replacement, a previous one set aside)."""
+    return sorted(p.name for p in folder.parent.iterdir()
+                  if p.name.startswith(f".{folder.name}."))
+
+
+def test_a_failed_forced_export_leaves_the_previous_one_intact(tmp_path: Path) -> None:
+    """A forced export over an earlier one replaces it only once complete: one that fails
+    midway (damage found after files were written) leaves the earlier export whole, the
+    folder's other files too; one that succeeds replaces it."""
+    torch.manual_seed(0)
+    state = torch.nn.ParameterDict({f"w{i}": torch.nn.Parameter(torch.randn(64, 64))
+                                    for i in range(8)})
+    run = _saved(tmp_path / "runs", state, "[checkpointing.compression]\nchunk_mib = 0.01\n",
+                 steps=2)
+    out = tmp_path / "out"
+    first = export_hf(run, out, version=1, max_shard_size="16KB")
+    (out / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _damage_late(run / "versions" / "v000002" / "model.mckp")
+    progress: list[int] = []
+    with pytest.raises(ChecksumMismatch, match=r"model\.mckp"):
+        export_hf(run, out, version=2, max_shard_size="16KB", force=True,
+                  on_progress=lambda done, total: progress.append(done))
+    assert len(progress) >= 3  # files were written before the damage was met
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _siblings(out) == []
+    got = _load(out)
+    assert len(first.shards) > 1 and set(got) == set(state.state_dict())
+    want = asyncio.run(read_version(open_catalog(run.parent, run.name), "v000001",
+                                    items={"model"}, rng=False)).trees["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # a forced export that succeeds replaces it: other files kept, old weight files gone
+    res = export_hf(run, out, version=1, max_shard_size="1GB", force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors"]
+    assert res.shards == ["model.safetensors"] and (out / "README.md").read_text() == "mine"
+    assert all(torch.equal(_load(out)[k], want[k]) for k in want)
+    assert _siblings(out) == []
+
+
+def test_a_failed_export_on_close_leaves_the_previous_export(tmp_path: Path) -> None:
+    """``export_hf_on_close`` always replaces: when the new export fails, the one of the
+    previous manager stays whole and loads."""
+    runs = tmp_path / "runs"
+    model = torch.nn.Linear(64, 64)
+    torch.nn.init.ones_(model.weight)
+    with CheckpointManager(_config(runs, export_hf_on_close="true"), {"model": model}) as m:
+        m.save_nowait(1).result()
+    folder = runs / "r" / "export" / "hf"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    m = CheckpointManager(_config(runs, export_hf_on_close="true"), {"model": model})
+    torch.nn.init.zeros_(model.weight)
+    assert m.save_nowait(2).result().status == "committed"
+    _damage_late(runs / "r" / "versions" / "v000002" / "model.mckp")
+    with pytest.raises(ChecksumMismatch):
+        m.close()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert torch.equal(load_file(str(folder / "model.safetensors"))["weight"],
+                       torch.ones(64, 64))
+    assert _siblings(folder) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_folder_is_swapped_in_whole_by_either_swap(tmp_path: Path, exchange: bool) -> None:
+    """The atomic exchange, and the two renames used where it is missing: the complete
+    replacement takes the name, the previous folder goes, nothing is left beside it; the
+    previous folder's carried entries (a file, a link, a subfolder) come along."""
+    from mithril_async.export.replace import discard, new_sibling, swap_in
+
+    target = tmp_path / "out"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "notes.txt").write_text("kept")
+    (target / "README.md").write_text("kept")
+    (target / "model.safetensors").write_text("old weights")
+    (target / "link").symlink_to("README.md")
+    work = new_sibling(target, lambda name: name != "model.safetensors")
+    assert sorted(p.name for p in work.iterdir()) == ["README.md", "link", "sub"]
+    (work / "model.safetensors").write_text("new weights")
+    assert (target / "model.safetensors").read_text() == "old weights"
+    swap_in(work, target, exchange=exchange)
+    assert (target / "model.safetensors").read_text() == "new weights"
+    assert (target / "sub" / "notes.txt").read_text() == "kept"
+    assert os.readlink(target / "link") == "README.md"
+    assert _siblings(target) == []
+    fresh = tmp_path / "deep" / "new"  # no folder yet: parents made, then renamed in
+    work = new_sibling(fresh, lambda name: True)
+    (work / "f").write_text("x")
+    swap_in(work, fresh, exchange=exchange)
+    assert (fresh / "f").read_text() == "x" and _siblings(fresh) == []
+    work = new_sibling(fresh, lambda name: True)
+    discard(work)
+    assert (fresh / "f").read_text() == "x" and _siblings(fresh) == []

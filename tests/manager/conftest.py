@@ -114,11 +114,16 @@ def state_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 @pytest.fixture
-def make_worker_config(make_config: Callable[..., Config]) -> Callable[..., Config]:
-    """``make_config`` with the background part of saves in a checkpoint worker process."""
+def make_worker_config(make_config: Callable[..., Config],
+                       monkeypatch: pytest.MonkeyPatch) -> Callable[..., Config]:
+    """``make_config`` with the background part of saves in a checkpoint worker process, as
+    the default gives it (``MITHRIL_PROCESS=worker`` while the config is built, no ``process``
+    key): what a worker cannot serve (a store passed in, ...) runs inline, as by default."""
     def factory(extra: str = "", **kw: Any) -> Config:
-        cfg = make_config(extra, **kw)
-        cfg.checkpointing.pipeline.process = "worker"
+        with monkeypatch.context() as env:
+            env.setenv("MITHRIL_PROCESS", "worker")
+            cfg = make_config(extra, **kw)
+        assert not cfg.checkpointing.pipeline.worker_required
         return cfg
 
     return factory

@@ -270,6 +270,26 @@ def test_worker_process_reports_the_counts(make_worker_config: ConfigFactory) ->
         assert m.latest_step() == 1
 
 
+@pytest.mark.parametrize("process", ["inline", "worker"])
+def test_complex_nan_and_inf_hold_the_version(
+        make_config: ConfigFactory, make_worker_config: ConfigFactory, process: str) -> None:
+    """NaN in one part of a complex element and Inf in the other are counted (one each), so
+    the version is held and ``latest`` stays on the healthy one, inline and in a worker.
+    (Uncompressed safetensors blobs cannot hold complex tensors.)"""
+    cfg = (make_worker_config if process == "worker" else make_config)()
+    sd = {"z": torch.zeros(512, dtype=torch.complex64),
+          "zz": torch.zeros(64, dtype=torch.complex128), "w": torch.ones(256)}
+    with CheckpointManager(cfg, {"model": TensorDict(sd)}) as m:
+        assert m.process == process
+        assert m.save_nowait(1).result().held is False
+        sd["z"][7] = complex(float("nan"), float("inf"))
+        sd["zz"][1] = complex(float("-inf"), 2.0)
+        res = m.save_nowait(2).result()
+        assert (res.status, res.held) == ("committed", True)
+        assert res.nonfinite == {"model/z": (1, 1), "model/zz": (0, 1)}
+        assert m.latest_step() == 1
+
+
 def test_config_keys_are_checked(make_config: ConfigFactory) -> None:
     assert make_config().checkpointing.nonfinite == "hold"
     with pytest.raises(ValueError, match="nonfinite"):

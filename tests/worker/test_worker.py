@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -190,23 +191,82 @@ def test_two_managers_in_one_process_have_a_worker_each(tmp_path: Path) -> None:
 
 
 def test_the_process_setting_is_checked_and_what_a_worker_cannot_serve_runs_inline(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With "worker" only the default, a configuration a worker cannot serve runs inline and
+    the log says why."""
     with pytest.raises(ConfigError, match="process"):
         config_from_dict({"checkpointing": {"pipeline": {"process": "thread"}}})
     assert config_from_dict({"checkpointing": {}}).checkpointing.pipeline.process == "inline"
+    monkeypatch.setenv("MITHRIL_PROCESS", "worker")
+    default = config_from_dict({"checkpointing": {"runs_path": str(tmp_path / "runs"),
+                                                  "run_id": "w"}})
+    assert default.checkpointing.pipeline.process == "worker"
     model = make_model()
     caplog.set_level(logging.INFO, logger="mithril_async")
-    with CheckpointManager(_cfg(tmp_path / "runs"), {"model": model},
+    with CheckpointManager(default, {"model": model},
                            store=LocalStore(tmp_path), runs_prefix="runs") as mgr:
         assert mgr.process == "inline" and mgr.worker_pid is None
         _set(model, 1)
         assert mgr.save_nowait(1).result().status == "committed"
     assert "a store was passed to the manager" in caplog.text
     lossy = config_from_dict({"checkpointing": {
-        "runs_path": str(tmp_path / "l"), "pipeline": {"process": "worker"},
-        "lossy": {"enabled": True}}})
+        "runs_path": str(tmp_path / "l"), "lossy": {"enabled": True}}})
     with CheckpointManager(lossy, {"model": model}) as mgr:
         assert mgr.process == "inline"
+    assert "checkpointing.lossy.enabled" in caplog.text
+    streamed = config_from_dict({"checkpointing": {
+        "runs_path": str(tmp_path / "s"), "run_id": "s", **_STREAMED}})
+    with CheckpointManager(streamed, {"model": _big_state()}) as mgr:
+        assert mgr.process == "worker"
+        res = mgr.save_nowait(1).result()
+        assert res.streamed and res.status == "committed"
+    assert "save of step 1 runs in the training process (streamed" in caplog.text
+
+
+#: a budget the state of :func:`_big_state` (12 MiB) does not fit staged: its saves stream
+_STREAMED: dict[str, Any] = {"compression": {"chunk_mib": 0.5, "threads": 1},
+                             "pipeline": {"host_memory_mib": 8}}
+
+
+def _big_state() -> Any:
+    from mithril_async import TensorDict
+
+    g = torch.Generator().manual_seed(0)
+    return TensorDict({f"t{i}": torch.randn(1 << 18, generator=g) for i in range(12)})
+
+
+def test_an_explicit_worker_refuses_what_a_worker_cannot_serve(tmp_path: Path) -> None:
+    """``process = "worker"`` set in the configuration is never silently run inline: each
+    configuration a worker cannot serve is a ConfigError naming it and the key, before
+    anything is started."""
+    from mithril_async.retention import KeepLastN
+
+    def cfg(**ck: Any) -> Any:
+        pipe = {"process": "worker", **ck.pop("pipeline", {})}
+        return config_from_dict({"checkpointing": {"runs_path": str(tmp_path / "runs"),
+                                                   "run_id": "x", "pipeline": pipe, **ck}})
+
+    threads = {t.ident for t in threading.enumerate()}
+    model = make_model()
+    refused = [
+        (cfg(lossy={"enabled": True}), {}, "checkpointing.lossy.enabled"),
+        (cfg(tiers={"local": str(tmp_path / "node")}), {}, r"\[checkpointing.tiers\]"),
+        (cfg(), {"store": LocalStore(tmp_path), "runs_prefix": "runs"}, "a store"),
+        (cfg(), {"retention": KeepLastN(2)}, "a retention policy"),
+    ]
+    for config, kw, what in refused:
+        with pytest.raises(ConfigError, match=rf'process = "worker" is set, but .*{what}'):
+            CheckpointManager(config, {"model": model}, **kw)
+    assert {t.ident for t in threading.enumerate()} <= threads  # nothing was started
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "node").exists()
+    # a save that would stream under host_memory_mib: refused at that save, nothing saved
+    with CheckpointManager(cfg(**_STREAMED), {"model": _big_state()}) as mgr:
+        assert mgr.process == "worker"
+        with pytest.raises(ConfigError, match=r'process = "worker" is set, but .*'
+                           r"host_memory_mib = 8"):
+            mgr.save_nowait(1)
+        assert mgr.latest_step() is None and mgr.all_steps() == []
 
 
 _CTX = multiprocessing.get_context("forkserver")
