@@ -409,7 +409,9 @@ def with_absolute_paths(config: Config) -> Config:
     trainer is in then) uses the same folders. ``config`` itself is left as it is: a copy is
     returned when anything had to change."""
     ck = config.checkpointing
-    runs = _absolute(ck.runs_path)
+    remote_only = ck.remote is not None and ck.remote.mode == "remote_only"
+    # remote_only: runs_path only names the bucket's runs prefix (its last component)
+    runs = ck.runs_path if remote_only else _absolute(ck.runs_path)
     local = None if ck.tiers is None else _absolute(ck.tiers.local)
     export = ck.export_hf_on_close
     export = _absolute(export) if isinstance(export, str) else export
