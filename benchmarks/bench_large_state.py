@@ -15,13 +15,14 @@ turn:
 For each: the first save (mithril: the worker's start, the staging buffers' allocation and
 the segments' hand-over), then the median of ``--saves`` more: stall (how long the call
 blocks) and e2e (until durable); and the peak extra memory of the training process and its
-worker together (shared memory counted once), as a multiple of the state. Then restores of
+worker together (shared memory counted once), as a multiple of the state, and the most each
+part rose (the trainer's own memory, the worker's, the shared staging segments). Then restores of
 the last saved version, mithril vs ``dcp.load``, each checked bit for bit. Ratios are ours /
 theirs. Checkpoints go to tmpfs (/dev/shm) when memory allows two versions there next to the
 state and its staging copy, else to /tmp (``--dir`` chooses); each system's files are removed
 before the next one runs.
 
-    python benchmarks/bench_large_state.py [--gib 5] [--saves 2] [--dir /dev/shm]
+    python benchmarks/bench_large_state.py [--gib 5] [--saves 2] [--dir /dev/shm] [--only ...]
 """
 
 from __future__ import annotations
@@ -121,43 +122,52 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def resident() -> int:
-    """Bytes resident in this process and its children (the worker), shared memory once."""
-    pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
-    private, shared = 0, 0
-    for pid in pids:
-        st = _status(pid)
-        private += st.get("RssAnon", 0) + st.get("RssFile", 0)
-        shared = max(shared, st.get("RssShmem", 0))
-    return private + shared
+def resident() -> tuple[int, int, int]:
+    """Bytes resident: this process's own, its children's (the worker) own, and the shared
+    memory (counted once: the staging segments both map)."""
+    own = _status(os.getpid())
+    kids = [_status(c.pid) for c in psutil.Process().children(recursive=True)]
+    private = own.get("RssAnon", 0) + own.get("RssFile", 0)
+    worker = sum(k.get("RssAnon", 0) + k.get("RssFile", 0) for k in kids)
+    shared = max([own.get("RssShmem", 0)] + [k.get("RssShmem", 0) for k in kids])
+    return private, worker, shared
 
 
 class Peak:
-    """``with Peak() as p``: ``p.extra`` = the most :func:`resident` rose above its start."""
+    """``with Peak() as p``: ``p.extra`` = the most the total resident (:func:`resident`)
+    rose above its start; ``p.parts`` = the most each part of it rose."""
 
     def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
-        self.before = self.peak = 0
+        self.before = (0, 0, 0)
+        self.peak = 0
+        self.parts = [0, 0, 0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> None:
+        now = resident()
+        self.peak = max(self.peak, sum(now) - sum(self.before))
+        self.parts = [max(p, n - b) for p, n, b in zip(self.parts, now, self.before,
+                                                         strict=True)]
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, resident())
+            self._sample()
 
     def __enter__(self) -> Peak:
-        self.before = self.peak = resident()
+        self.before = resident()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, resident())
+        self._sample()
 
     @property
     def extra(self) -> int:
-        return self.peak - self.before
+        return self.peak
 
 
 def trim() -> None:
@@ -246,7 +256,9 @@ def measure(make: Callable[[], Mithril | Dcp], saves: int, sd: State, digest: di
         _, first = system.save(0)
         timed = [system.save(i) for i in range(1, saves + 1)]
     row: Row = {"first": first, "stall": statistics.median(s for s, _ in timed),
-                "e2e": statistics.median(e for _, e in timed), "peak": peak.extra}
+                "e2e": statistics.median(e for _, e in timed), "peak": peak.extra,
+                "peak trainer": peak.parts[0], "peak worker": peak.parts[1],
+                "peak shared": peak.parts[2]}
     if isinstance(system, Mithril):
         row["segments"] = system.segments()
     if restore:
@@ -277,6 +289,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=5.0)
     ap.add_argument("--saves", type=int, default=2, help="timed saves after the first")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: see above)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated systems to run (e.g. 'mithril worker,DCP save')")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(min(4, os.cpu_count() or 1))
@@ -297,28 +311,42 @@ def main() -> None:
             "DCP save": (lambda: Dcp(sd, root / "d", False), True),
             "DCP async_save": (lambda: Dcp(sd, root / "a", True), False),
         }
+        only = None if args.only is None else {n.strip() for n in args.only.split(",")}
+        if only is not None and only - plan.keys():
+            raise SystemExit(f"unknown systems {sorted(only - plan.keys())}; known: "
+                             f"{sorted(plan)}")
         for name, (make, restore) in plan.items():
+            if only is not None and name not in only:
+                continue
             rows[name] = measure(make, args.saves, sd, digest, restore)
             for sub in root.iterdir():
                 shutil.rmtree(sub, ignore_errors=True)
             print(f"  {name}: {rows[name]}", flush=True)
-    d, da = rows["DCP save"], rows["DCP async_save"]
+    d, da = rows.get("DCP save"), rows.get("DCP async_save")
+
+    def ratio(r: Row, key: str, base: Row | None) -> str:
+        return "-" if base is None or key not in r or key not in base else (
+            f"{r[key] / base[key]:.2f}")
+
     print(f"\n{size / GiB:.2f} GiB GPT-like state (bf16 weights, fp32 AdamW moments), "
           f"checkpoints in {where}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
           f"median of {args.saves} saves after the first")
     print("| system | first save s | stall s | e2e s | e2e / DCP save | e2e / DCP async | "
-          "peak extra (x state) | restore s | restore / DCP |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "peak extra (x state) | of it trainer / worker / shared | restore s | "
+          "restore / DCP |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        rest = (f"{r['restore']:.2f} | {r['restore'] / d['restore']:.2f}" if "restore" in r
-                else "- | -")
+        restored = f"{r['restore']:.2f}" if "restore" in r else "-"
         print(f"| {name} | {r['first']:.2f} | {r['stall']:.3f} | {r['e2e']:.2f} | "
-              f"{r['e2e'] / d['e2e']:.2f} | {r['e2e'] / da['e2e']:.2f} | "
-              f"{r['peak'] / size:.2f} | {rest} |")
-    w, i = rows["mithril worker"], rows["mithril inline"]
-    print(f"\nworker / inline e2e: {w['e2e'] / i['e2e']:.2f}; stall: {w['stall'] / i['stall']:.2f}"
-          f"; worker's staging segments: {int(w.get('segments', 0))}")
-
+              f"{ratio(r, 'e2e', d)} | {ratio(r, 'e2e', da)} | "
+              f"{r['peak'] / size:.2f} | {r['peak trainer'] / size:.2f} / "
+              f"{r['peak worker'] / size:.2f} / {r['peak shared'] / size:.2f} | "
+              f"{restored} | {ratio(r, 'restore', d)} |")
+    w, i = rows.get("mithril worker"), rows.get("mithril inline")
+    if w is not None and i is not None:
+        print(f"\nworker / inline e2e: {w['e2e'] / i['e2e']:.2f}; stall: "
+              f"{w['stall'] / i['stall']:.2f}; worker's staging segments: "
+              f"{int(w.get('segments', 0))}")
 
 if __name__ == "__main__":
     main()
