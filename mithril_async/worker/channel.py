@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -25,14 +26,16 @@ from typing import Any
 
 from mithril_async.errors import MithrilError
 
-__all__ = ["Channel", "ChannelClosed", "MAX_FRAME", "RemoteError"]
+__all__ = ["Channel", "ChannelClosed", "MAX_FDS", "MAX_FRAME", "RemoteError"]
 
 log = logging.getLogger("mithril_async")
 
 _HEAD = struct.Struct("<Q")
 #: the largest message either side accepts (a job lists every staged tensor: far below)
 MAX_FRAME = 256 << 20
-#: the most descriptors one message carries
+#: the most descriptors one message carries (the kernel's own limit is 253; a sender with more
+#: sends them in several messages). A message that arrives with more is refused: its
+#: descriptors are closed and a call is answered with an error naming the limit.
 MAX_FDS = 64
 
 
@@ -85,6 +88,9 @@ class Channel:
         body = json.dumps(msg, separators=(",", ":"), default=_plain).encode()
         if len(body) > MAX_FRAME:
             raise ValueError(f"message of {len(body)} bytes exceeds {MAX_FRAME}")
+        if fds and len(fds) > MAX_FDS:
+            raise ValueError(f"a message of {len(fds)} file descriptors exceeds the channel's "
+                             f"limit of {MAX_FDS} per message (send them in several)")
         data = _HEAD.pack(len(body)) + body
         with self._send_lock:
             if self._closed:
@@ -148,25 +154,40 @@ class Channel:
             out += chunk
         return bytes(out)
 
-    def _read_one(self) -> tuple[dict[str, Any], list[int]]:
-        head, fds, _flags, _addr = socket.recv_fds(self.sock, _HEAD.size, MAX_FDS)
+    def _read_one(self) -> tuple[dict[str, Any], list[int], bool]:
+        """The next message, its descriptors, and whether it carried more than ``MAX_FDS``
+        (then it comes with none: the kernel dropped those beyond the limit and the others
+        are closed here)."""
+        head, fds, flags, _addr = socket.recv_fds(self.sock, _HEAD.size, MAX_FDS)
+        truncated = bool(flags & socket.MSG_CTRUNC)
+        if truncated or not head:
+            for fd in fds:
+                os.close(fd)
+            fds = []
         if not head:
             raise EOFError
-        if len(head) < _HEAD.size:
-            head += self._recv_exact(_HEAD.size - len(head))
-        (n,) = _HEAD.unpack(head)
-        if n > MAX_FRAME:
-            raise ValueError(f"a message of {n} bytes exceeds {MAX_FRAME}")
-        msg = json.loads(self._recv_exact(n))
-        if not isinstance(msg, dict):
-            raise ValueError("a message that is not a JSON object")
-        return msg, list(fds)
+        try:
+            if len(head) < _HEAD.size:
+                head += self._recv_exact(_HEAD.size - len(head))
+            (n,) = _HEAD.unpack(head)
+            if n > MAX_FRAME:
+                raise ValueError(f"a message of {n} bytes exceeds {MAX_FRAME}")
+            msg = json.loads(self._recv_exact(n))
+            if not isinstance(msg, dict):
+                raise ValueError("a message that is not a JSON object")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return msg, list(fds), truncated
 
     def _read_loop(self) -> None:
         try:
             while True:
-                msg, fds = self._read_one()
-                if "reply" in msg:
+                msg, fds, truncated = self._read_one()
+                if truncated:
+                    self._refuse(msg)
+                elif "reply" in msg:
                     self._deliver(msg)
                 else:
                     self._dispatch(msg, fds)
@@ -185,6 +206,27 @@ class Channel:
             fut.set_result(msg.get("value"))
         else:
             fut.set_exception(RemoteError(str(msg.get("kind")), str(msg.get("message"))))
+
+    def _refuse(self, msg: dict[str, Any]) -> None:
+        """A message that carried more descriptors than ``MAX_FDS`` (all closed by now): a
+        call is answered with an error naming the limit, a reply fails its call, anything
+        else is logged."""
+        err = ValueError(f"a message carried more than {MAX_FDS} file descriptors, the "
+                         "channel's limit per message; it was refused and its descriptors "
+                         "closed")
+        if "reply" in msg:
+            with self._lock:
+                fut = self._waiting.pop(int(msg["reply"]), None)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            return
+        call_id = int(msg.get("id", 0)) if "call" in msg else 0
+        if call_id == 0:
+            log.warning("checkpoint channel: %s", err)
+            return
+        refused: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        refused.set_exception(err)
+        self._answer(call_id, refused)
 
     def _dispatch(self, msg: dict[str, Any], fds: list[int]) -> None:
         call_id = int(msg.get("id", 0))

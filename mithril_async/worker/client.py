@@ -42,7 +42,7 @@ from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
-from mithril_async.worker.channel import Channel, ChannelClosed
+from mithril_async.worker.channel import MAX_FDS, Channel, ChannelClosed
 from mithril_async.worker.handoff import (
     config_doc,
     error_doc,
@@ -214,10 +214,8 @@ class WorkerClient:
             if self._reset_pending:
                 await asyncio.wrap_future(channel.call("reset_chains"))
                 self._reset_pending = False
-            segments = self.arena.unsent(self._channel_id)
-            msg = self._describe(job, res, metrics)
-            msg["segments"] = [[i, n] for i, _, n in segments]
-            reply = self._hold(channel.call("save", msg, [fd for _, fd, _ in segments]))
+            await self._send_segments(channel)
+            reply = self._hold(channel.call("save", self._describe(job, res, metrics)))
             self._handed_over()
             try:
                 if job.snap.overlap is not None:
@@ -271,6 +269,19 @@ class WorkerClient:
         """The save of ``step``, handed over, was cancelled here: the worker aborts it (its
         answer, awaited by :attr:`released`, says what became of it)."""
         channel.call("cancel", {"step": step})  # a closed channel: released already
+
+    async def _send_segments(self, channel: Channel) -> None:
+        """Send the worker the segments it has not mapped yet, at most the channel's
+        per-message limit of descriptors a message, each batch mapped before the next is sent
+        (descriptors in flight count against the sender's open-file limit) and all before
+        the save that reads them; one the worker failed to map is sent again next time."""
+        segments = self.arena.unsent(self._channel_id)
+        for start in range(0, len(segments), MAX_FDS):
+            batch = segments[start:start + MAX_FDS]
+            await asyncio.wrap_future(channel.call(
+                "segments", {"segments": [[i, n] for i, _, n in batch]},
+                [fd for _, fd, _ in batch]))
+            self.arena.mark_sent(self._channel_id, [i for i, _, _ in batch])
 
     async def _report_overlap(self, job: SaveJob, channel: Channel) -> None:
         """Tell the worker when the overlapped copy into the staged buffers is complete (or

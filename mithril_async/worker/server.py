@@ -80,6 +80,9 @@ class WorkerServer:
                 ) -> concurrent.futures.Future[Any] | Any:
         if method == "init":
             return self._init(args, fds)
+        if method == "segments":  # the trainer's staging segments, mapped before a save
+            self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
+            return len(fds)
         if method == "save":
             self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
             return self._submit(self._save(args))

@@ -9,6 +9,12 @@ no names, nothing is left behind when either process dies, however it dies: the 
 back to the system once the last mapping and descriptor are gone. Where a CUDA device
 exists the segments are page-locked (``cudaHostRegister``), so device-to-host snapshot
 copies into them are asynchronous, as into pinned buffers.
+
+Segments grow with what the arena holds (an eighth of it, up to 16 times the first ones' size),
+so a state of 100 GiB takes about 130 segments, not 1600: the trainer holds two descriptors
+per segment (its own and its mapping's), the worker one (its mapping's), far under the usual
+soft limit of 1024 open files; those a save sends travel in messages of at most the channel's
+per-message limit.
 """
 
 from __future__ import annotations
@@ -25,8 +31,15 @@ import torch
 
 __all__ = ["BufferAt", "SEGMENT_BYTES", "SegmentMap", "SharedArena"]
 
-#: the size of a segment (a larger buffer gets a segment of its own)
+#: the size of the first segments (a larger buffer gets a segment of its own size)
 SEGMENT_BYTES = 64 << 20
+#: segments grow to at most this many times the first ones' size (1 GiB by default; a larger
+#: buffer still gets its own size): the space a segment leaves unused (page-locked where a CUDA
+#: device exists) stays under that
+_MAX_GROWTH = 16
+#: a new segment is at least this fraction of what the arena holds (the count of segments grows
+#: as the logarithm of the state's size until they reach their largest size)
+_GROWTH = 8
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
 
@@ -59,8 +72,14 @@ class SharedArena:
     buffer of their segment is gone (buffers are reused across saves, so this is rare).
     """
 
-    def __init__(self, segment_bytes: int = SEGMENT_BYTES, name: str = "mithril") -> None:
+    def __init__(self, segment_bytes: int = SEGMENT_BYTES, name: str = "mithril",
+                 max_segment_bytes: int | None = None) -> None:
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self.segment_bytes = segment_bytes
+        #: never below ``segment_bytes`` (equal: every segment has that size)
+        self.max_segment_bytes = max(segment_bytes, _MAX_GROWTH * segment_bytes
+                                     if max_segment_bytes is None else max_segment_bytes)
         self.name = name
         self._segments: dict[int, _Segment] = {}
         self._where: dict[int, BufferAt] = {}  # buffer data_ptr -> place
@@ -98,7 +117,9 @@ class SharedArena:
         for seg in self._segments.values():
             if seg.size - seg.used >= nbytes:
                 return seg
-        size = _round(max(self.segment_bytes, nbytes), _PAGE)
+        held = sum(s.size for s in self._segments.values())
+        grown = min(max(self.segment_bytes, held // _GROWTH), self.max_segment_bytes)
+        size = _round(max(grown, nbytes), _PAGE)
         fd = os.memfd_create(f"{self.name}-{self._next}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -127,14 +148,21 @@ class SharedArena:
             return self._where.get(t.data_ptr())
 
     def unsent(self, channel_id: int) -> list[tuple[int, int, int]]:
-        """``(segment, fd, size)`` of the segments a channel has not received yet; marked
-        sent (the caller sends them with the message that first needs them)."""
+        """``(segment, fd, size)`` of the segments a channel has not received yet (the
+        caller sends them before the message that first needs them, then
+        :meth:`mark_sent`)."""
         with self._lock:
-            out = [(s.ident, s.fd, s.size) for s in self._segments.values()
-                   if channel_id not in s.sent]
-            for s in self._segments.values():
-                s.sent.add(channel_id)
-        return out
+            return [(s.ident, s.fd, s.size) for s in self._segments.values()
+                    if channel_id not in s.sent]
+
+    def mark_sent(self, channel_id: int, segments: list[int]) -> None:
+        """Record that a channel's peer has mapped ``segments`` (it acknowledged them: one
+        it failed to map is sent again with the next save)."""
+        with self._lock:
+            for ident in segments:
+                seg = self._segments.get(ident)
+                if seg is not None:
+                    seg.sent.add(channel_id)
 
     def close(self) -> None:
         """Release the descriptors (mappings go once no tensor uses them)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import socket
@@ -92,6 +93,8 @@ def test_the_arena_hands_out_shared_buffers_another_mapping_sees() -> None:
     assert {s for s, _, _ in segments} == {at_small.segment, at_big.segment}
     for _, fd, _ in segments:  # anonymous memory: no name anywhere to be left behind
         assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:mithril")
+    assert len(arena.unsent(1)) == 2  # until its peer acknowledged them
+    arena.mark_sent(1, [s for s, _, _ in segments])
     assert arena.unsent(1) == []  # sent once per channel
     assert len(arena.unsent(2)) == 2  # a new worker gets them all again
     seen = SegmentMap()
@@ -125,3 +128,109 @@ def test_errors_cross_as_their_own_type() -> None:
         "k", "aa", "bb")
     assert error_of({"kind": "NonFiniteState", "message": "m", "details": {
         "tensors": {"x": ["no", 1], "y": [2, 3]}}}).tensors == {"y": (2, 3)}  # type: ignore[attr-defined]
+
+
+def _memfds_named(name: str) -> int:
+    """How many of this process's descriptors are memfds called ``name``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
+    return count
+
+
+def _read_frame(sock: socket.socket) -> dict[str, Any]:
+    head = b""
+    while len(head) < 8:
+        head += sock.recv(8 - len(head))
+    n = int.from_bytes(head, "little")
+    body = b""
+    while len(body) < n:
+        body += sock.recv(n - len(body))
+    return dict(json.loads(body))
+
+
+def _frame(msg: dict[str, Any]) -> bytes:
+    body = json.dumps(msg).encode()
+    return len(body).to_bytes(8, "little") + body
+
+
+def test_a_message_over_the_descriptor_limit_is_refused_with_its_descriptors_closed() -> None:
+    """More descriptors than the channel takes in one message: the call is answered with an
+    error naming the limit, the handler never sees a truncated list, every descriptor is
+    closed (none left in this process once the sender closes its own), and the channel goes
+    on; a sender never writes such a message (a typed error before anything is sent)."""
+    from mithril_async.worker.channel import MAX_FDS
+
+    got: list[int] = []
+
+    def handler(method: str, args: dict[str, Any], fds: list[int]) -> Any:
+        got.append(len(fds))
+        for fd in fds:
+            os.close(fd)
+        return len(fds)
+
+    raw, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    chan = Channel(theirs, handler).start()
+    mine = [os.memfd_create("toomany") for _ in range(MAX_FDS + 36)]
+    try:
+        socket.send_fds(raw, [_frame({"call": "take", "id": 7, "args": {}})], mine)
+        answer = _read_frame(raw)
+        assert answer["reply"] == 7 and answer["ok"] is False
+        assert answer["kind"] == "ValueError" and f"more than {MAX_FDS}" in answer["message"]
+        assert got == []  # never handed a truncated list
+        for fd in mine:
+            os.close(fd)
+        mine = []
+        assert _memfds_named("toomany") == 0  # the receiver kept none of them
+        ok = [os.memfd_create("fine") for _ in range(MAX_FDS)]
+        socket.send_fds(raw, [_frame({"call": "take", "id": 8, "args": {}})], ok)
+        assert _read_frame(raw) == {"reply": 8, "ok": True, "value": MAX_FDS}
+        for fd in ok:
+            os.close(fd)
+        assert _memfds_named("fine") == 0
+        assert not chan.closed
+        a, b = _pair(handler, handler)
+        over = [os.memfd_create("oversend") for _ in range(MAX_FDS + 1)]
+        try:
+            with pytest.raises(ValueError, match=f"limit of {MAX_FDS} per message"):
+                a.call("take", {}, over).result(10)
+            assert a.call("take", {}, over[:2]).result(10) == 2  # still open
+        finally:
+            for fd in over:
+                os.close(fd)
+            a.close()
+            b.close()
+        assert _memfds_named("oversend") == 0
+    finally:
+        for fd in mine:
+            os.close(fd)
+        raw.close()
+        chan.close()
+
+
+def test_segments_grow_so_a_huge_state_takes_few_descriptors() -> None:
+    """Segments grow with what the arena holds: 100 GiB of staging buffers (memfds are
+    sparse: nothing here is touched, so it costs no memory) take far fewer descriptors than
+    the usual soft limit of 1024 open files, each segment at most 16 times the first ones'
+    size unless one buffer needs more."""
+    from mithril_async.worker.shm import SEGMENT_BYTES
+
+    arena = SharedArena()
+    bufs = []
+    try:
+        for _ in range(1100):  # 96 MiB tensors (a GPT-like layer's weight): 103 GiB
+            bufs.append(arena.buffer((48 << 20,), torch.bfloat16))
+        segments = arena.unsent(1)
+        assert arena.nbytes >= 100 << 30
+        assert len(segments) < 200
+        sizes = [n for _, _, n in segments]
+        assert min(sizes) >= SEGMENT_BYTES and max(sizes) <= 16 * SEGMENT_BYTES
+    finally:
+        del bufs
+        arena.close()
+    fixed = SharedArena(segment_bytes=4096, max_segment_bytes=4096)  # no growth
+    small = [fixed.buffer((1000,), torch.float32) for _ in range(50)]
+    assert len(fixed.unsent(1)) == 50 and {n for _, _, n in fixed.unsent(1)} == {4096}
+    del small
+    fixed.close()
