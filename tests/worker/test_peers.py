@@ -80,9 +80,10 @@ def test_a_rank_that_never_hands_its_save_over_fails_it_everywhere(tmp_path: Pat
     assert codes == [0, -9]
     seen = json.loads((tmp_path / "ok_rank0").read_text())
     assert seen["save2"].startswith("DistributedError") and "rank 1" in seen["save2"], seen
+    # the workers have exited: whatever rank 0's worker claimed for the failed save is gone
+    assert not _wait_gone([*_workers(tmp_path), int(seen["worker"])])
     assert _manifests(tmp_path) == {"v000001"}
     assert not (tmp_path / "runs" / "peers" / "versions" / "v000002").exists()
-    assert not _wait_gone([*_workers(tmp_path), int(seen["worker"])])
 
 
 @pytest.fixture(autouse=True)
