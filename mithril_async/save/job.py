@@ -137,7 +137,13 @@ class SaveJob:
         updates: list[_ChainUpdate] = []
         agree = asyncio.ensure_future(self.ctx.coordinator.agree_version(self._claim_version))
         part, local_err = await self._encode_and_write(agree, res, updates)
-        number = await agree  # every rank takes part; its failure fails the save
+        try:
+            number = await agree  # every rank takes part; its failure fails the save
+        except BaseException:
+            claim = self.version.claim  # rank 0 claimed before the agreement failed
+            if claim is not None and not claim.lost:
+                await asyncio.shield(self.ctx.discard(claim.number))
+            raise
         res.version_id = version_id(number)
         outcome, manifest = await self._decide(number, res, part)
         res.nonfinite, res.held = dict(outcome.nonfinite), outcome.held
