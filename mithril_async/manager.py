@@ -195,10 +195,13 @@ class CheckpointManager:
             sharded_model=sharded_model,
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None,
             on_save=self._results.inline)
-        #: process = "worker": the checkpoint process the background part runs in, and what
-        #: lets it go if this manager is dropped without close()
+        #: what outlives this manager unless released, and its release if the manager is
+        #: garbage-collected without close()
+        self._owned = _Owned(self._pool, self._results)
+        self._release = weakref.finalize(self, _let_go, self._owned)
+        self._release.atexit = False  # at exit the threads end, the worker sees its trainer end
+        #: process = "worker": the checkpoint process the background part runs in
         self._worker: WorkerClient | None = None
-        self._release: weakref.finalize[Any, Any] | None = None
         self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
                                                keep_all)
         self._reader = VersionReader(self.catalog, pool=self._pool,
@@ -250,13 +253,10 @@ class CheckpointManager:
 
     def _start_worker(self) -> None:
         """Start the worker now, so that it is ready by the first save (its start-up runs
-        in the background; a save made before it is ready is handed over once it is); a
-        manager garbage-collected without ``close()`` lets it go (:func:`_let_worker_go`)."""
+        in the background; a save made before it is ready is handed over once it is)."""
         assert self._worker is not None
+        self._owned.worker = self._worker
         self._worker.start()
-        self._release = weakref.finalize(self, _let_worker_go, self._worker,
-                                         self._worker.arena)
-        self._release.atexit = False  # at exit the worker sees its trainer end anyway
 
     @property
     def worker_pid(self) -> int | None:
@@ -326,7 +326,8 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self._loop is None:
-            self._loop = BackgroundLoop(nice=self.cfg.pipeline.background_nice)
+            self._loop = self._owned.loop = BackgroundLoop(
+                nice=self.cfg.pipeline.background_nice)
             self._loop.run(self._start(maintain))
         elif maintain and not self._maintained:
             self._loop.run(self._maintain())
@@ -423,8 +424,7 @@ class CheckpointManager:
             self._closed = True
             if self._guard is not None:
                 self._guard.remove()
-            if self._release is not None:
-                self._release.detach()
+            self._release.detach()
             if self._worker is not None:  # after the last save: the worker exits
                 self._worker.close(wait=wait)
                 self._worker.arena.close()
@@ -764,15 +764,33 @@ class CheckpointManager:
         return RestoreResult(m.step, report)
 
 
-def _let_worker_go(worker: WorkerClient, arena: SharedArena) -> None:
-    """A manager was garbage-collected without ``close()``: its worker finishes the saves it
-    was handed, then exits, and the shared staging memory is released. On a thread of its
-    own: a collection may run on a thread holding the channel's or the arena's lock."""
-    def release() -> None:
-        worker.abandon()
-        arena.close()
+@dataclass
+class _Owned:
+    """What a manager starts that would outlive it if it were dropped without ``close()``
+    (never the manager itself, so that it can be collected)."""
 
-    threading.Thread(target=release, name="mithril-worker-release", daemon=True).start()
+    pool: CodecPool
+    results: ResultListeners
+    worker: WorkerClient | None = None
+    loop: BackgroundLoop | None = None
+
+    def release(self) -> None:
+        """The worker finishes the saves it was handed, then exits (not waited for); the
+        shared staging memory, the loop, the codec threads and the listeners' are released
+        (a save still running here is abandoned, as by ``close(wait=False)``)."""
+        if self.worker is not None:
+            self.worker.abandon()
+            self.worker.arena.close()
+        if self.loop is not None:
+            self.loop.close()
+        self.pool.shutdown(wait=True)
+        self.results.close()
+
+
+def _let_go(owned: _Owned) -> None:
+    """A manager was garbage-collected without ``close()``: release what it owned, on a
+    thread of its own (a collection may run on a thread holding one of their locks)."""
+    threading.Thread(target=owned.release, name="mithril-release", daemon=True).start()
 
 
 #: ``on_reshard(states_by_rank, new_rank, new_world) -> state``: a data-loader state for this
