@@ -96,12 +96,6 @@ class WorkerExited(MithrilError, RuntimeError):
     (exit status or signal). That save failed; the next one starts a new worker."""
 
 
-class TrainerExited(MithrilError, RuntimeError):
-    """Raised in a checkpoint worker: its training process went away before the snapshot it
-    handed over was complete (an overlapped copy still running), so that save is abandoned
-    and nothing of it is published."""
-
-
 __all__ = [
     "ChecksumMismatch",
     "CompressionError",
@@ -118,7 +112,6 @@ __all__ = [
     "ShapeMismatch",
     "StepAlreadyExists",
     "StorageError",
-    "TrainerExited",
     "UnknownFormatVersion",
     "UnsafeKey",
     "UnsupportedDtype",
@@ -213,3 +206,9 @@ class OutputExists(MithrilError, FileExistsError):
 
 
 __all__ += ["OutputExists"]
+
+
+class TrainerExited(MithrilError, RuntimeError):
+    """Raised in a checkpoint worker: its training process went away before the snapshot it
+    handed over was complete (an overlapped copy still running), so that save is abandoned
+    and nothing of it is published."""

@@ -152,7 +152,6 @@ class WorkerClient:
         if self.alive:
             return
         self._stop(kill=True)
-        _clients.add(self)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         # the worker imports this very mithril_async (not another copy on its path)

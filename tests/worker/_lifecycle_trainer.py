@@ -8,7 +8,8 @@ for its worker to be ready (``worker_ready()``, no sleep) before its first save.
   test stops the worker first, so the save is handed over but not done), prints ``handed``
   and waits for the signal the test sends to the whole process group;
 - ``signal-save``: ``save_on_signals = ["SIGTERM"]``, trains until the signal's save is
-  durable (its log on stderr), then ends by SIGTERM;
+  durable (its log on stderr; ``handed <step>`` once it is the worker's), then ends by
+  SIGTERM;
 - ``overlap-kill``: ``snapshot = "overlapped"``; step 1 committed, then step 2 saved while
   the overlapped copy cannot run (its thread is held), then a SIGKILL before the optimizer
   step that would finish it;
@@ -81,6 +82,7 @@ elif scenario == "signal-save":
         if mgr.should_save(step):
             load(step)
             mgr.save_nowait(step)
+            print(f"handed {step}", flush=True)
         time.sleep(0.002)
 elif scenario == "overlap-kill":
     load(1)

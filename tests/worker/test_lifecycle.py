@@ -125,21 +125,30 @@ def test_a_signal_to_the_whole_job_does_not_lose_a_save_handed_over(
 
 def test_a_signal_save_is_committed_while_the_worker_got_the_signal_too(
         tmp_path: Path) -> None:
-    """``save_on_signals = ["SIGTERM"]`` and SIGTERM to the whole process group: the
-    worker got it as well and still commits the save it asks for; the log's "durable" is
-    true; the trainer ends by SIGTERM and the worker after it."""
+    """``save_on_signals = ["SIGTERM"]``: SIGTERM reaches the trainer, then the worker
+    while it holds the save that signal asked for (a job's processes are signalled at
+    slightly different moments; the worker is stopped meanwhile so the save is surely not
+    done). The worker commits it; the log's "durable" is true; the trainer ends by SIGTERM
+    and the worker after it."""
     proc = _trainer("signal-save", tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = tmp_path / "out"
     assert proc.stdout is not None
     with _reaper(out, "worker"):
         assert proc.stdout.readline().strip() == "ready"
-        os.killpg(proc.pid, signal.SIGTERM)
+        worker = int(_read(out, "worker"))
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.stdout.readline().startswith("handed ")
+            os.kill(worker, signal.SIGTERM)
+        finally:
+            os.kill(worker, signal.SIGCONT)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == -signal.SIGTERM, err
-        durable = re.findall(r"step (\d+) is durable \(v\d+\)", err)
+        durable = re.findall(r"step (\d+) is durable \((v\d+)\)", err)
         assert len(durable) == 1 and "failed" not in err, err
-        step = int(durable[0])
-        assert (_version(tmp_path, step) / "manifest.json").exists()
+        step, vid = int(durable[0][0]), durable[0][1]
+        assert (tmp_path / "runs" / "w" / "versions" / vid / "manifest.json").exists()
         assert _gone(int(_read(out, "worker")))
         assert _restores(tmp_path, step)
 
