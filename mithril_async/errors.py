@@ -206,3 +206,9 @@ class OutputExists(MithrilError, FileExistsError):
 
 
 __all__ += ["OutputExists"]
+
+
+class TrainerExited(MithrilError, RuntimeError):
+    """Raised in a checkpoint worker: its training process went away before the snapshot it
+    handed over was complete (an overlapped copy still running), so that save is abandoned
+    and nothing of it is published."""

@@ -21,7 +21,9 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +215,11 @@ class CheckpointManager:
             sharded_model=sharded_model,
             lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None,
             on_save=self._results.inline)
+        #: what outlives this manager unless released, and its release if the manager is
+        #: garbage-collected without close()
+        self._owned = _Owned(self._pool, self._results)
+        self._release = weakref.finalize(self, _let_go, self._owned)
+        self._release.atexit = False  # at exit the threads end, the worker sees its trainer end
         #: process = "worker": the checkpoint process the background part runs in
         self._worker: WorkerClient | None = None
         self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
@@ -234,6 +241,8 @@ class CheckpointManager:
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
         self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
+        if self._worker is not None:  # last: nothing after it can fail the construction
+            self._start_worker()
 
     def _run_id(self, runs_prefix: str) -> str:
         """``run_id``, or rank 0's reading of the runs folder's current run (a new one where
@@ -281,15 +290,37 @@ class CheckpointManager:
             return "inline"
         arena = SharedArena()
         self._ctx.alloc = arena.buffer
-        self._worker = WorkerClient(self._ctx, arena, lambda: self.loop, run_id=self.run_id,
+        me = weakref.ref(self)  # the worker must not keep a dropped manager alive
+
+        def loop() -> BackgroundLoop:
+            mgr = me()
+            if mgr is None:
+                raise RuntimeError("the CheckpointManager is gone")
+            return mgr.loop
+
+        self._worker = WorkerClient(self._ctx, arena, loop, run_id=self.run_id,
                                     runs_prefix=runs_prefix, sharded_model=sharded_model,
                                     keep_all=keep_all)
         return "worker"
+
+    def _start_worker(self) -> None:
+        """Start the worker now, so that it is ready by the first save (its start-up runs
+        in the background; a save made before it is ready is handed over once it is)."""
+        assert self._worker is not None
+        self._owned.worker = self._worker
+        self._worker.start()
 
     @property
     def worker_pid(self) -> int | None:
         """The checkpoint worker's process id (``process = "worker"``, once started)."""
         return None if self._worker is None else self._worker.pid
+
+    def worker_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes) for the checkpoint
+        worker to finish its start-up; whether it has. A save made once it is ready returns
+        only after it is handed over (it then survives this process's death). False when
+        saves run inline, or the worker failed to start (the next save says why)."""
+        return self._worker is not None and self._worker.wait_ready(timeout)
 
     @classmethod
     def from_toml(cls, path: str | Path, state: Mapping[str, Any], **kw: Any) -> CheckpointManager:
@@ -358,7 +389,8 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         if self._loop is None:
-            self._loop = BackgroundLoop(nice=self.cfg.pipeline.background_nice)
+            self._loop = self._owned.loop = BackgroundLoop(
+                nice=self.cfg.pipeline.background_nice)
             self._loop.run(self._start(maintain))
         elif maintain and not self._maintained:
             self._loop.run(self._maintain())
@@ -455,6 +487,7 @@ class CheckpointManager:
             self._closed = True
             if self._guard is not None:
                 self._guard.remove()
+            self._release.detach()
             if self._worker is not None:  # after the last save: the worker exits
                 self._worker.close(wait=wait)
                 self._worker.arena.close()
@@ -610,9 +643,10 @@ class CheckpointManager:
     def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None, waited: float
                 ) -> tuple[SaveHandle, concurrent.futures.Future[None] | None]:
         """Start the save's background part; also return, in worker mode with the worker
-        already up, a future done once the save is handed to the worker: ``save()`` returns
-        after it, so a trainer killed from then on does not take the save with it. (The
-        first save does not wait for the worker's start-up: it is handed over from the
+        ready, a future done once the save is handed to the worker: ``save()`` returns
+        after it, so a trainer killed from then on does not take the save with it. (A save
+        made while the worker is still starting, right after the manager was made or after
+        a worker died, does not wait for that start-up: it is handed over from the
         background once the worker is ready.)"""
         res = job.begin(metrics, waited)
         if self.preemption is not None:
@@ -621,7 +655,7 @@ class CheckpointManager:
         if self._worker is not None and job.snap.stream is None:
             if self._worker.ready:
                 handoff = self._worker.expect_handoff()
-            self._worker.start()  # the first save (or the first after a worker died)
+            self._worker.start()  # a worker that died is replaced
             run = self._worker.run(job, dict(metrics or {}))
         else:  # inline (a streamed save in worker mode too: its chains restart)
             if self._worker is not None:
@@ -803,6 +837,35 @@ class CheckpointManager:
                         "resume (%s)", m.version_id, m.world_size, self.world_size,
                         "; ".join(notes) or "sharded state remapped")
         return RestoreResult(m.step, report)
+
+
+@dataclass
+class _Owned:
+    """What a manager starts that would outlive it if it were dropped without ``close()``
+    (never the manager itself, so that it can be collected)."""
+
+    pool: CodecPool
+    results: ResultListeners
+    worker: WorkerClient | None = None
+    loop: BackgroundLoop | None = None
+
+    def release(self) -> None:
+        """The worker finishes the saves it was handed, then exits (not waited for); the
+        shared staging memory, the loop, the codec threads and the listeners' are released
+        (a save still running here is abandoned, as by ``close(wait=False)``)."""
+        if self.worker is not None:
+            self.worker.abandon()
+            self.worker.arena.close()
+        if self.loop is not None:
+            self.loop.close()
+        self.pool.shutdown(wait=True)
+        self.results.close()
+
+
+def _let_go(owned: _Owned) -> None:
+    """A manager was garbage-collected without ``close()``: release what it owned, on a
+    thread of its own (a collection may run on a thread holding one of their locks)."""
+    threading.Thread(target=owned.release, name="mithril-release", daemon=True).start()
 
 
 #: ``on_reshard(states_by_rank, new_rank, new_world) -> state``: a data-loader state for this

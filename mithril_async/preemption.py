@@ -374,13 +374,14 @@ class Preemption:
                 self._own, self._own_posted = 0, False
         self._inbox.put(("wake", 0))
         name = signal.Signals(signum).name
-        if res.status != "committed":
+        if res.status != "committed":  # never called durable: it is not
             log.error("the save of step %d asked for by %s failed (%s); %s", res.step, name,
                       res.error, "the signal takes effect all the same" if
                       self.exit_after_save else "manager.preempted is set all the same")
-        if self.exit_after_save:
+        elif self.exit_after_save:
             log.warning("step %d is durable (%s): %s takes effect", res.step, res.version_id,
                         name)
+        if self.exit_after_save:
             self._deliver(signum)
 
     def _ask_again(self) -> None:

@@ -14,8 +14,10 @@ def main() -> None:
                         help="the inherited socket of the control channel")
     parser.add_argument("--nice", type=int, default=0,
                         help="added to the nice value (background_nice)")
+    parser.add_argument("--trainer", type=int, default=None,
+                        help="the training process's pid (default: the parent)")
     args = parser.parse_args()
-    serve(args.fd, args.nice)
+    serve(args.fd, args.nice, args.trainer)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ each save's result back.
 
 The worker is ``python -m mithril_async.worker`` started with ``subprocess`` (never a fork,
 never a re-import of the training script, so a script without an ``if __name__ ==
-"__main__"`` guard works), holding one end of a socket pair. It starts with the first save
-(a manager that only restores never starts one); its start-up runs in the background while
-training goes on, and that first save's background part waits for it. A save's hand-off is the
+"__main__"`` guard works), holding one end of a socket pair. The manager starts it when it
+is made; its start-up runs in the background while training goes on (a save made before it
+is ready is handed over from the background once it is). A save's hand-off is the
 snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small JSON; the
 worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`, and the
 trainer follows it (base buffer sets, committed steps after retention) whatever became of the
@@ -15,16 +15,24 @@ several ranks the workers run the rank protocol among themselves
 (:mod:`~mithril_async.worker.peers`): the trainers only agree once, when the manager is made,
 on where rank 0's workers listen.
 
+It is started with the job's signals blocked (it installs its own handling: they do not end
+it, see :mod:`~mithril_async.worker.server`), its output to ``/dev/null`` (its last words,
+a save's error after the trainer died, go to the trainer's stderr). A child forked by the
+training process closes its inherited end of the channel at once, so it never keeps a
+worker alive.
+
 If the worker dies, the save in flight fails with :class:`~mithril_async.errors.WorkerExited`
 naming how it ended (raised, as any failed save, by the next ``save()`` / ``wait()`` /
 ``close()``), training goes on, and the next save starts a new worker (segments are sent to
-it again). ``close()`` asks the worker to exit and waits for it.
+it again). ``close()`` asks the worker to exit and waits for it; a worker not yet set up, or
+let go while a save runs (:meth:`WorkerClient.abandon`), is not waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -32,7 +40,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +62,7 @@ from mithril_async.worker.handoff import (
     update_result,
 )
 from mithril_async.worker.peers import rendezvous
+from mithril_async.worker.server import JOB_SIGNALS
 from mithril_async.worker.shm import SharedArena
 
 __all__ = ["WorkerClient", "worker_unsupported"]
@@ -60,6 +71,19 @@ log = logging.getLogger("mithril_async")
 _channel_ids = itertools.count(1)
 #: seconds ``close()`` waits for a worker to exit after asking it to
 EXIT_WAIT_S = 60.0
+#: every client of this process (a forked child closes their channels)
+_clients: weakref.WeakSet[WorkerClient] = weakref.WeakSet()
+
+
+def _forget_workers_after_fork() -> None:
+    """In a child forked by the training process: drop the parent's workers (close the
+    inherited socket ends without shutting the connection down, never signal or wait for
+    the parent's worker), so a long-lived child never keeps a worker alive."""
+    for client in list(_clients):
+        client._forget()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 class WorkerClient:
@@ -93,11 +117,24 @@ class WorkerClient:
         #: done once the worker has answered for the last save handed to it (see released)
         self._released: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._released.set_result(None)
+        #: saves handed to run() and not yet answered
+        self._running = 0
+        _clients.add(self)
 
     @property
     def ready(self) -> bool:
         """Whether a started worker has finished its set-up."""
         return self.alive and self._ready is not None and self._ready.done()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for the started worker to finish
+        its set-up; whether it has (False: none started, or it failed or died)."""
+        ready = self._ready
+        if ready is None:
+            return False
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            ready.exception(timeout)
+        return self.ready and ready.exception() is None
 
     def expect_handoff(self) -> concurrent.futures.Future[None]:
         """A future done once the next :meth:`run` has handed its save to the worker (or
@@ -140,20 +177,25 @@ class WorkerClient:
         root = os.path.dirname(package)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, env.get("PYTHONPATH", "")) if p)
+        # the child inherits this thread's signal mask: a job-wide signal during its start-up
+        # waits until it has installed its handling (worker/server.py, serve)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
         try:
             self.proc = subprocess.Popen(
                 # -P: the working directory is not put on the path before PYTHONPATH
                 [sys.executable, "-P", "-m", "mithril_async.worker",
-                 "--fd", str(theirs.fileno()),
+                 "--fd", str(theirs.fileno()), "--trainer", str(os.getpid()),
                  "--nice", str(self.ctx.config.checkpointing.pipeline.background_nice)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env,
-                start_new_session=False)
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, env=env, start_new_session=False)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         self._channel_id = next(_channel_ids)
         self.channel = Channel(ours, self._handle, name="trainer").start()
         self._ready = self.channel.call(
-            "init", {**self._init, "steps": sorted(self.ctx.steps or ())},
+            "init", {**self._init,  # steps None: not listed here yet, the worker lists them
+                     "steps": None if self.ctx.steps is None else sorted(self.ctx.steps)},
             [self._listener.fileno()] if self._listener is not None else None)
         self._reset_pending = False
 
@@ -163,19 +205,48 @@ class WorkerClient:
         self._reset_pending = True
 
     def close(self, wait: bool = True) -> None:
-        """Ask the worker to exit and wait for it (killed if it does not). ``wait=False``:
-        only close the channel; a worker still running a save finishes it, then exits."""
+        """Ask the worker to exit and wait for it (killed if it does not). ``wait=False``
+        with a save still running: let the worker go (:meth:`abandon`). A worker still
+        starting has nothing to finish: it is ended at once."""
         if self._listener is not None:  # a worker of rank 0 still running keeps its copy
             self._listener.close()
             self._listener = None
-        if wait:
-            self._stop(kill=False)
+        if not wait and self._running:
+            self.abandon()
             return
-        channel, self.channel, self.proc = self.channel, None, None
+        self._stop(kill=not self.ready)
+
+    def abandon(self) -> None:
+        """Let the worker go without waiting, from any thread (a manager dropped without
+        ``close()``): it finishes the saves it was handed, then exits, reaped on a thread
+        of its own; one still starting has nothing to finish and is ended at once."""
+        proc, channel = self.proc, self.channel
+        self.proc = self.channel = None
+        if proc is not None and not (self._running or self._ready_now()):
+            with contextlib.suppress(OSError):
+                proc.kill()
         if channel is not None:
             channel.close()
+        if proc is not None:
+            threading.Thread(target=proc.wait, name="mithril-worker-reap", daemon=True).start()
+
+    def _ready_now(self) -> bool:
+        return self._ready is not None and self._ready.done()
+
+    def _forget(self) -> None:
+        """In a forked child: close this process's copy of the channel (the socket alone:
+        the connection stays the parent's) and forget the parent's worker."""
+        channel, self.channel, self.proc, self._ready = self.channel, None, None, None
+        if channel is not None:
+            with contextlib.suppress(OSError):
+                channel.sock.close()
+        listener, self._listener = self._listener, None  # rank 0's: the parent's to keep
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
 
     def _stop(self, *, kill: bool) -> None:
+        """End the worker: asked to exit (waited for, killed if it does not), or killed."""
         proc, channel = self.proc, self.channel
         self.proc = self.channel = None
         if channel is not None and not channel.closed and not kill:
@@ -183,11 +254,14 @@ class WorkerClient:
                 channel.call("close").result(EXIT_WAIT_S)
             except Exception:  # a worker that cannot answer is ended below
                 kill = True
+        if proc is not None and kill:
+            with contextlib.suppress(OSError):
+                proc.kill()
         if channel is not None:
             channel.close()
         if proc is not None:
             try:
-                proc.wait(0.1 if kill else EXIT_WAIT_S)
+                proc.wait(EXIT_WAIT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -198,9 +272,11 @@ class WorkerClient:
         error as the worker reported it, or :class:`WorkerExited`)."""
         res = job.result
         assert res is not None, "begin() first"
+        self._running += 1
         try:
             return await self._run(job, res, metrics)
         finally:
+            self._running -= 1
             self._handed_over()
             job.snap.close()
 

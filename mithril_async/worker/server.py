@@ -12,15 +12,24 @@ every trainer is gone.
 
 When the trainer goes away (killed, crashed, exited) the save in flight is finished (and
 committed, where it needs no other rank) and the worker exits; it never waits on a dead
-trainer.
+trainer. It learns of that death from the channel's end of file, and also from its parent
+process changing (``PR_SET_PDEATHSIG`` and a slow poll of ``getppid``): a child the trainer
+forked may hold the trainer's end of the socket open. A save whose overlapped copy the
+trainer never finished is abandoned (nothing published, its claim removed). Signals meant
+for the whole job (SIGTERM, SIGINT, SIGHUP: ``scancel``, Kubernetes, Ctrl-C) do not end the
+worker: it keeps serving a trainer that lives on (a signal save), and finishes what it was
+handed when the trainer dies of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import ctypes
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -28,6 +37,7 @@ from typing import Any
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config
+from mithril_async.errors import TrainerExited
 from mithril_async.layout import RunLayout
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
@@ -51,15 +61,26 @@ from mithril_async.worker.handoff import (
 from mithril_async.worker.peers import PeerCoordinator, save_scope
 from mithril_async.worker.shm import SegmentMap
 
-__all__ = ["WorkerServer", "serve"]
+__all__ = ["JOB_SIGNALS", "WorkerServer", "serve"]
 
 log = logging.getLogger("mithril_async")
+
+#: signals sent to a whole job that must not end the worker (it ends with its trainer)
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: the signal the kernel sends the worker when its parent dies (PR_SET_PDEATHSIG)
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+#: seconds between two checks that the trainer is still the parent (a fallback for the
+#: parent-death signal, which Linux sends when the creating *thread* exits)
+PARENT_POLL_S = 2.0
+_PR_SET_PDEATHSIG = 1
 
 
 class WorkerServer:
     """Serves one trainer over ``sock`` until it closes the channel (see module doc)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, trainer_pid: int | None = None) -> None:
+        #: the training process this worker serves (its parent)
+        self.trainer_pid = os.getppid() if trainer_pid is None else trainer_pid
         self.segments = SegmentMap()
         self.loop: BackgroundLoop | None = None
         self.ctx: SaveContext | None = None
@@ -67,11 +88,15 @@ class WorkerServer:
         self.gone = threading.Event()
         #: the save in flight's stand-in for the trainer's overlapped copy, and a verdict on
         #: it that arrived before the save did
-        self._overlap: _OverlapGate | None = None
+        self._gate: _OverlapGate | None = None
         self._early: dict[str, Any] | None = None
         #: the save in flight's step and the task running its job (what "cancel" stops)
         self._job: tuple[int, asyncio.Task[SaveResult]] | None = None
+        #: set on the loop once the trainer is gone: fails every overlap gate still closed
+        self._left: TrainerExited | None = None
         self._lock = threading.Lock()
+        self._exiting = False
+        self._hung_up = False
         self.channel = Channel(sock, self._handle, on_close=self._trainer_gone, name="worker")
         self.channel.start()
 
@@ -96,6 +121,17 @@ class WorkerServer:
             self.gone.set()
             return True
         raise ValueError(f"unknown request {method!r}")
+
+    @property
+    def _overlap(self) -> _OverlapGate | None:
+        return self._gate
+
+    @_overlap.setter
+    def _overlap(self, gate: _OverlapGate | None) -> None:
+        """A gate made after the trainer left can never be opened by it: failed at once."""
+        self._gate = gate
+        if gate is not None and self._left is not None:
+            gate.open(self._left)
 
     def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         assert self.loop is not None, "init first"
@@ -131,7 +167,9 @@ class WorkerServer:
                 min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping),
             retention=None if args.get("keep_all") else from_config(cfg),
             sharded_model=bool(args.get("sharded_model")))
-        self.ctx.steps = set(args.get("steps") or [])
+        steps = args.get("steps")  # None: the trainer had not listed them yet
+        self.ctx.steps = set(steps if steps is not None
+                             else self.loop.run(catalog.committed_steps()))
         return {"pid": os.getpid()}
 
     async def _save(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -223,13 +261,54 @@ class WorkerServer:
         return True
 
     # ------------------------------------------------------------------ ending
+    def check_trainer(self) -> None:
+        """Hang up if the trainer is no longer this process's parent (it died: the worker
+        was handed to another parent)."""
+        if os.getppid() != self.trainer_pid:
+            self.hang_up()
+
+    def hang_up(self) -> None:
+        """The trainer died while its end of the channel may still be open (a child it
+        forked holds it): stop receiving. What it sent before dying is still read, then the
+        channel ends as on its death (:meth:`_trainer_gone`); nothing more is sent to it."""
+        if self._hung_up:  # no lock: a signal handler may interrupt a check (twice: harmless)
+            return
+        self._hung_up = True
+        with contextlib.suppress(OSError):
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
+
     def _trainer_gone(self) -> None:
-        """The trainer closed the channel or died: finish what runs, then exit."""
+        """The trainer closed the channel or died: finish what it handed over, then exit.
+        Decided on the loop, after every request received before (a save, the end of its
+        overlapped copy)."""
         self.gone.set()
+        loop = self.loop
+        if loop is None:  # never initialised: nothing was handed over
+            self._exit_soon()
+            return
+        try:
+            loop.submit(self._wind_down())
+        except RuntimeError:  # the loop is closed: the exit is under way
+            self._exit_soon()
+
+    async def _wind_down(self) -> None:
+        """On the loop: an overlapped copy the trainer never reported finished never will
+        be, so its save is abandoned; with nothing running the worker exits now (a save
+        running exits it when it ends)."""
+        self._left = TrainerExited(
+            f"the training process (pid {self.trainer_pid}) went away before its overlapped "
+            "snapshot copy finished; the save is abandoned")
+        gate = self._gate
+        if gate is not None:
+            gate.open(self._left)
         if self.busy == 0:
             self._exit_soon()
 
     def _exit_soon(self) -> None:
+        with self._lock:
+            if self._exiting:
+                return
+            self._exiting = True
         threading.Thread(target=self._exit, name="mithril-worker-exit", daemon=True).start()
 
     def _exit(self) -> None:
@@ -255,6 +334,9 @@ class _OverlapGate:
         self.result: SaveResult | None = None
 
     def open(self, error: BaseException | None) -> None:
+        """The first verdict stands (the trainer's, or its departure's)."""
+        if self._done.is_set():
+            return
         self._error = error
         self._done.set()
 
@@ -291,16 +373,34 @@ def _empty(dtype: Any, shape: tuple[int, ...]) -> Any:
     return torch.empty(shape, dtype=dtype)
 
 
-def serve(fd: int, nice: int = 0) -> None:
-    """Run a worker on the inherited socket ``fd`` until its trainer goes away; ``nice``:
-    added to its nice value first, so every thread it starts yields the cores to training
-    (``background_nice``)."""
+def _parent_death_signal(signum: int) -> None:
+    """Ask Linux to send ``signum`` when the parent goes away (nothing elsewhere: the
+    ``getppid`` poll covers it)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def serve(fd: int, nice: int = 0, trainer_pid: int | None = None) -> None:
+    """Run a worker on the inherited socket ``fd`` until its trainer (``trainer_pid``, the
+    parent) goes away; ``nice``: added to its nice value first, so every thread it starts
+    yields the cores to training (``background_nice``).
+
+    The trainer starts the worker with :data:`JOB_SIGNALS` blocked, so a job-wide signal that
+    comes during its start-up waits here until the handler below is installed: such a
+    signal only makes the worker check that its trainer still lives."""
     if nice:
         os.nice(nice)
-    server = WorkerServer(socket.socket(fileno=fd))
+    server = WorkerServer(socket.socket(fileno=fd), trainer_pid)
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, lambda _s, _f: server.check_trainer())
+    _parent_death_signal(PARENT_DEATH_SIGNAL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
+    server.check_trainer()  # it may have died before the parent-death signal was set
     # the trainer's logging decides what is shown; MITHRIL_WORKER_LOG: what is sent to it
     log.setLevel(os.environ.get("MITHRIL_WORKER_LOG", "INFO"))
     log.addHandler(ToTrainerLog(server.channel))
     log.propagate = False
     while True:  # the server exits the process once its trainer is gone (os._exit)
-        time.sleep(3600)
+        time.sleep(PARENT_POLL_S)  # a signal's handler runs in here
+        server.check_trainer()
