@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -348,16 +349,25 @@ class WorkerClient:
 
     async def _send_segments(self, channel: Channel) -> None:
         """Send the worker the segments it has not mapped yet, at most the channel's
-        per-message limit of descriptors a message, each batch mapped before the next is sent
-        (descriptors in flight count against the sender's open-file limit) and all before
-        the save that reads them; one the worker failed to map is sent again next time."""
+        per-message limit of descriptors a message, all before the save that reads them (the
+        channel keeps their order). Nothing waits for the worker to map them: a save is
+        handed over once written, even to a worker that is stopped or busy. A batch the
+        worker failed to map is sent again with the next save (and fails the save that
+        needed it, which finds its segment missing)."""
         segments = self.arena.unsent(self._channel_id)
         for start in range(0, len(segments), MAX_FDS):
             batch = segments[start:start + MAX_FDS]
-            await asyncio.wrap_future(channel.call(
-                "segments", {"segments": [[i, n] for i, _, n in batch]},
-                [fd for _, fd, _ in batch]))
-            self.arena.mark_sent(self._channel_id, [i for i, _, _ in batch])
+            idents = [i for i, _, _ in batch]
+            self.arena.mark_sent(self._channel_id, idents)
+            reply = channel.call("segments", {"segments": [[i, n] for i, _, n in batch]},
+                                 [fd for _, fd, _ in batch])
+            reply.add_done_callback(functools.partial(self._segments_mapped, self._channel_id,
+                                                      idents))
+
+    def _segments_mapped(self, channel_id: int, idents: list[int],
+                         reply: concurrent.futures.Future[Any]) -> None:
+        if reply.cancelled() or reply.exception() is not None:
+            self.arena.mark_unsent(channel_id, idents)
 
     async def _report_overlap(self, job: SaveJob, channel: Channel) -> None:
         """Tell the worker when the overlapped copy into the staged buffers is complete (or

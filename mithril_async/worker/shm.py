@@ -164,6 +164,15 @@ class SharedArena:
                 if seg is not None:
                     seg.sent.add(channel_id)
 
+    def mark_unsent(self, channel_id: int, segments: list[int]) -> None:
+        """Undo :meth:`mark_sent`: the peer could not map ``segments`` (sent again next
+        time)."""
+        with self._lock:
+            for ident in segments:
+                seg = self._segments.get(ident)
+                if seg is not None:
+                    seg.sent.discard(channel_id)
+
     def close(self) -> None:
         """Release the descriptors (mappings go once no tensor uses them)."""
         with self._lock:
