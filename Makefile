@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q torch==2.13.0
 
 setup: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' -c constraints.txt
 	# torchtitan's checkpoint plug-in point and what its modules import, without its full
 	# dependency set (it would downgrade huggingface_hub and fsspec; docs/integrations/torchtitan.md)
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.17.0 typeguard==4.4.4 \
