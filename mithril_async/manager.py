@@ -57,6 +57,7 @@ from mithril_async.preemption import Preemption
 from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
+from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
@@ -70,38 +71,13 @@ from mithril_async.state import (
     reseed_rng,
     restore_rng,
 )
-from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
-from mithril_async.storage.local import LocalStore
-from mithril_async.storage.mirror import MirrorStore
 from mithril_async.tiers.layer import Tiers
 from mithril_async.worker.client import WorkerClient, worker_unsupported
 from mithril_async.worker.shm import SharedArena
 
 log = logging.getLogger("mithril_async")
 _UNSET: Any = object()  # retention= not given: the config decides
-
-
-def _open_local(cfg: CheckpointingConfig) -> tuple[Store, str]:
-    runs = Path(cfg.runs_path).expanduser().absolute()
-    runs.mkdir(parents=True, exist_ok=True)
-    return LocalStore(runs.parent), runs.name
-
-
-def open_run_store(cfg: CheckpointingConfig) -> tuple[Store, str]:
-    """The store a config asks for, and the runs folder's key prefix.
-
-    No ``[checkpointing.remote]``: local disk. ``mode = "mirror"``: local disk and the bucket
-    (:class:`MirrorStore`). ``mode = "remote_only"``: the bucket alone. Keys are the same
-    everywhere: ``<runs folder name>/<run_id>/...`` (under the bucket prefix on S3).
-    """
-    if cfg.remote is None:
-        return _open_local(cfg)
-    remote = open_store(cfg.remote)
-    if cfg.remote.mode == "remote_only":
-        return remote, Path(cfg.runs_path).name or "runs"
-    local, prefix = _open_local(cfg)
-    return MirrorStore(local, remote), prefix
 
 
 def _refuse_unserved_worker(config: Config, given: list[str]) -> None:

@@ -63,8 +63,8 @@ from mithril_async.worker.handoff import (
     update_result,
 )
 from mithril_async.worker.peers import rendezvous
-from mithril_async.worker.server import JOB_SIGNALS
 from mithril_async.worker.shm import SharedArena
+from mithril_async.worker.signals import JOB_SIGNALS
 
 __all__ = ["WorkerClient", "worker_unsupported"]
 

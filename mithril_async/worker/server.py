@@ -44,6 +44,7 @@ from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import from_config
+from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
@@ -60,13 +61,12 @@ from mithril_async.worker.handoff import (
 )
 from mithril_async.worker.peers import PeerCoordinator, save_scope
 from mithril_async.worker.shm import SegmentMap
+from mithril_async.worker.signals import JOB_SIGNALS
 
-__all__ = ["JOB_SIGNALS", "WorkerServer", "serve"]
+__all__ = ["WorkerServer", "serve"]
 
 log = logging.getLogger("mithril_async")
 
-#: signals sent to a whole job that must not end the worker (it ends with its trainer)
-JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: the signal the kernel sends the worker when its parent dies (PR_SET_PDEATHSIG)
 PARENT_DEATH_SIGNAL = signal.SIGHUP
 #: seconds between two checks that the trainer is still the parent (a fallback for the
@@ -141,8 +141,6 @@ class WorkerServer:
         config: Config = config_of(args["config"])
         cfg = config.checkpointing
         rank, world = int(args["rank"]), int(args["world_size"])
-        from mithril_async.manager import open_run_store
-
         store, prefix = open_run_store(cfg)
         layout = RunLayout(args.get("runs_prefix") or prefix, str(args["run_id"]))
         catalog = RunCatalog(store, layout, claim_stale_s=cfg.pipeline.claim_stale_s)
