@@ -266,15 +266,7 @@ class CheckpointManager:
             return "inline"
         arena = SharedArena()
         self._ctx.alloc = arena.buffer
-        me = weakref.ref(self)  # the worker must not keep a dropped manager alive
-
-        def loop() -> BackgroundLoop:
-            mgr = me()
-            if mgr is None:
-                raise RuntimeError("the CheckpointManager is gone")
-            return mgr.loop
-
-        self._worker = WorkerClient(self._ctx, arena, loop, run_id=self.run_id,
+        self._worker = WorkerClient(self._ctx, arena, run_id=self.run_id,
                                     runs_prefix=runs_prefix, sharded_model=sharded_model,
                                     keep_all=keep_all)
         return "worker"

@@ -44,12 +44,10 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from mithril_async.config import Config
 from mithril_async.errors import WorkerExited
-from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
@@ -90,12 +88,10 @@ os.register_at_fork(after_in_child=_forget_workers_after_fork)
 class WorkerClient:
     """One trainer's checkpoint worker (see the module docstring)."""
 
-    def __init__(self, ctx: SaveContext, arena: SharedArena, loop: Callable[[], BackgroundLoop],
-                 *, run_id: str, runs_prefix: str, sharded_model: bool,
-                 keep_all: bool = False) -> None:
+    def __init__(self, ctx: SaveContext, arena: SharedArena, *, run_id: str,
+                 runs_prefix: str, sharded_model: bool, keep_all: bool = False) -> None:
         self.ctx = ctx
         self.arena = arena
-        self._loop = loop
         self._init = {"config": config_doc(ctx.config), "run_id": run_id,
                       "runs_prefix": runs_prefix, "rank": ctx.rank,
                       "world_size": ctx.world_size, "sharded_model": sharded_model,
@@ -291,7 +287,7 @@ class WorkerClient:
             if self._reset_pending:
                 await asyncio.wrap_future(channel.call("reset_chains"))
                 self._reset_pending = False
-            await self._send_segments(channel)
+            self._send_segments(channel)
             reply = self._hold(channel.call("save", self._describe(job, res, metrics)))
             self._handed_over()
             try:
@@ -347,7 +343,7 @@ class WorkerClient:
         answer, awaited by :attr:`released`, says what became of it)."""
         channel.call("cancel", {"step": step})  # a closed channel: released already
 
-    async def _send_segments(self, channel: Channel) -> None:
+    def _send_segments(self, channel: Channel) -> None:
         """Send the worker the segments it has not mapped yet, at most the channel's
         per-message limit of descriptors a message, all before the save that reads them (the
         channel keeps their order). Nothing waits for the worker to map them: a save is

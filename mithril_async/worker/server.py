@@ -108,8 +108,7 @@ class WorkerServer:
         if method == "segments":  # the trainer's staging segments, mapped before a save
             self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
             return len(fds)
-        if method == "save":
-            self.segments.add([(int(i), int(n)) for i, n in args.get("segments", [])], fds)
+        if method == "save":  # its segments came before it ("segments")
             return self._submit(self._save(args))
         if method == "cancel":
             return self._submit(self._cancel(args))
