@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from mithril_async import CheckpointManager
 from mithril_async.config import config_from_dict
-from tests.worker._state import expected, make_model
+from tests.worker._procs import gone
+from tests.worker._state import holds_step, make_model, set_step
 
 
 def _cfg(runs: Path, process: str = "worker", **checkpointing: Any) -> Any:
@@ -30,14 +29,8 @@ def _cfg(runs: Path, process: str = "worker", **checkpointing: Any) -> Any:
         "compression": {"delta": True}, **checkpointing}})
 
 
-def _set(model: torch.nn.Module, step: int) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(expected(step)[name])
 
 
-def _exact(model: torch.nn.Module, step: int) -> bool:
-    return all(torch.equal(p, expected(step)[n]) for n, p in model.named_parameters())
 
 
 def _stopped(pid: int) -> bool:
@@ -63,17 +56,6 @@ def _stop(pid: int) -> None:
     raise AssertionError(f"worker {pid} did not stop")
 
 
-def _gone(pid: int, deadline_s: float = 120.0) -> bool:
-    """Whether process ``pid`` (our child) has exited; the deadline is a hang guard."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:  # reaped already (close() waited for it)
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def _versions_exact(runs: Path, cancelled: int, later: int) -> list[int]:
@@ -84,7 +66,7 @@ def _versions_exact(runs: Path, cancelled: int, later: int) -> list[int]:
         steps = mgr.all_steps()
         for step in steps:
             assert mgr.restore_sync(step) == step
-            assert _exact(fresh, step), f"step {step} restored other values (a torn save)"
+            assert holds_step(fresh, step), f"step {step} restored other values (a torn save)"
     assert later in steps and set(steps) <= {1, cancelled, later}, steps
     folders = sorted(p.name for p in (runs / "w" / "versions").iterdir())
     kept = sorted(p.parent.name for p in (runs / "w" / "versions").glob("*/manifest.json"))
@@ -103,13 +85,13 @@ def test_a_cancelled_handed_over_save_never_commits_torn(tmp_path: Path, how: st
     mgr = CheckpointManager(_cfg(runs), {"model": model})
 
     async def scenario() -> None:
-        _set(model, 1)
+        set_step(model, 1)
         assert (await mgr.save(1)).result().status == "committed"
         pid = mgr.worker_pid
         assert pid is not None
         _stop(pid)
         try:
-            _set(model, 2)
+            set_step(model, 2)
             h2 = await mgr.save(2)  # handed over: written to the stopped worker's socket
             if how == "future.cancel":
                 assert h2.future is not None and h2.future.cancel()
@@ -117,7 +99,7 @@ def test_a_cancelled_handed_over_save_never_commits_torn(tmp_path: Path, how: st
                 with pytest.raises(TimeoutError):
                     await asyncio.wait_for(mgr.save(3), 1.0)
                 assert h2.future is not None and h2.future.cancelled()
-            _set(model, 3)
+            set_step(model, 3)
             save3 = asyncio.ensure_future(mgr.save(3))
             await asyncio.sleep(0)  # its first step: a snapshot, or the wait for the worker
         finally:
@@ -131,7 +113,7 @@ def test_a_cancelled_handed_over_save_never_commits_torn(tmp_path: Path, how: st
     finally:
         pid = mgr.worker_pid
         mgr.close()
-    assert pid is not None and _gone(pid)
+    assert pid is not None and gone(pid)
     _versions_exact(runs, 2, 3)
 
 
@@ -143,24 +125,24 @@ def test_a_save_cancelled_in_the_worker_keeps_the_pipeline_busy_until_it_answers
     runs = tmp_path / "runs"
     model = make_model()
     with CheckpointManager(_cfg(runs, pipeline={"on_busy": "skip"}), {"model": model}) as mgr:
-        _set(model, 1)
+        set_step(model, 1)
         assert mgr.save_nowait(1).result().status == "committed"
         pid = mgr.worker_pid
         assert pid is not None
         _stop(pid)
         try:
-            _set(model, 2)
+            set_step(model, 2)
             h2 = mgr.save_nowait(2)
             assert h2.future is not None and h2.future.cancel()
-            _set(model, 3)
+            set_step(model, 3)
             assert mgr.save_nowait(3).result().status == "skipped"
         finally:
             os.kill(pid, signal.SIGCONT)
         mgr.wait()  # the worker answered for step 2
         assert mgr.worker_pid == pid
-        _set(model, 3)
+        set_step(model, 3)
         assert mgr.save_nowait(3).result().status == "committed"
-    assert _gone(pid)
+    assert gone(pid)
     _versions_exact(runs, 2, 3)
 
 
@@ -177,10 +159,10 @@ def test_a_step_retention_deleted_can_be_saved_again_after_a_rollback(
     with CheckpointManager(cfg, {"model": model}) as mgr:
         assert mgr.process == process
         for step, loss in ((1, 0.1), (2, 1.0), (3, 1.0), (4, 1.0)):
-            _set(model, step)
+            set_step(model, step)
             assert mgr.save_nowait(step, {"loss": loss}).result().status == "committed"
         assert mgr.all_steps() == [1, 3, 4]
-        assert mgr.restore_sync("best") == 1 and _exact(model, 1)
-        _set(model, 2)
+        assert mgr.restore_sync("best") == 1 and holds_step(model, 1)
+        set_step(model, 2)
         assert mgr.save_nowait(2, {"loss": 0.05}).result().status == "committed"
-        assert mgr.restore_sync(2) == 2 and _exact(model, 2)
+        assert mgr.restore_sync(2) == 2 and holds_step(model, 2)

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from mithril_async import CheckpointManager
-from tests.worker._state import make_model
-from tests.worker.test_worker import _cfg, _exact, _gone, _set
+from tests.worker._procs import alive, gone
+from tests.worker._state import holds_step, make_model, set_step
+from tests.worker.test_worker import _cfg
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -33,13 +34,6 @@ TRAINER = HERE / "_lifecycle_trainer.py"
 DEADLINE_S = 120.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is no longer alive
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _read(out: Path, name: str) -> str:
@@ -77,7 +71,7 @@ def _version(tmp_path: Path, step: int) -> Path:
 def _restores(tmp_path: Path, step: int) -> bool:
     fresh = make_model()
     with CheckpointManager(_cfg(tmp_path / "runs"), {"model": fresh}) as mgr:
-        return mgr.restore_sync("latest") == step and _exact(fresh, step)
+        return mgr.restore_sync("latest") == step and holds_step(fresh, step)
 
 
 def test_the_first_save_of_a_ready_worker_is_handed_over_before_save_nowait_returns(
@@ -89,7 +83,7 @@ def test_the_first_save_of_a_ready_worker_is_handed_over_before_save_nowait_retu
     with _reaper(out, "worker"):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == -signal.SIGKILL, err
-        assert _gone(int(_read(out, "worker")))
+        assert gone(int(_read(out, "worker")))
         assert (_version(tmp_path, 1) / "manifest.json").exists()
         assert _restores(tmp_path, 1)
 
@@ -118,7 +112,7 @@ def test_a_signal_to_the_whole_job_does_not_lose_a_save_handed_over(
             os.kill(worker, signal.SIGCONT)
         proc.communicate()
         assert proc.returncode != 0  # the signal ended the trainer
-        assert _gone(worker), "the worker outlived its trainer past the save"
+        assert gone(worker), "the worker outlived its trainer past the save"
         assert (_version(tmp_path, 1) / "manifest.json").exists()
         assert _restores(tmp_path, 1)
 
@@ -149,7 +143,7 @@ def test_a_signal_save_is_committed_while_the_worker_got_the_signal_too(
         assert len(durable) == 1 and "failed" not in err, err
         step, vid = int(durable[0][0]), durable[0][1]
         assert (tmp_path / "runs" / "w" / "versions" / vid / "manifest.json").exists()
-        assert _gone(int(_read(out, "worker")))
+        assert gone(int(_read(out, "worker")))
         assert _restores(tmp_path, step)
 
 
@@ -165,7 +159,7 @@ def test_an_overlapped_save_whose_trainer_died_before_its_copy_is_abandoned(
                                str(tmp_path / "runs"), str(out)], cwd=ROOT, text=True,
                               capture_output=True, timeout=300, start_new_session=True)
         assert proc.returncode == -signal.SIGKILL, proc.stderr
-        assert _gone(int(_read(out, "worker")))
+        assert gone(int(_read(out, "worker")))
         assert not _version(tmp_path, 2).exists()  # no manifest, no claim, no blob
         assert _restores(tmp_path, 1)
 
@@ -182,12 +176,12 @@ def test_a_child_outliving_its_trainer_does_not_keep_the_worker_alive(
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == -signal.SIGKILL, err
         grandchild = int(_read(out, "grandchild"))
-        assert _gone(int(_read(out, "worker"))), "the worker outlived its trainer"
-        assert _alive(grandchild)
+        assert gone(int(_read(out, "worker"))), "the worker outlived its trainer"
+        assert alive(grandchild)
         if how == "fork":
             assert _read(out, "channel_in_grandchild") == "closed"
         os.kill(grandchild, signal.SIGKILL)
-        assert _gone(grandchild)
+        assert gone(grandchild)
 
 
 def _shared_memory() -> set[str]:
@@ -218,7 +212,7 @@ def test_a_manager_dropped_without_close_lets_its_worker_go(
     try:
         if in_flight:
             os.kill(worker, signal.SIGSTOP)  # handed over, surely not done when dropped
-        _set(model, 1)
+        set_step(model, 1)
         first = mgr.save_nowait(1)
         if not in_flight:
             assert first.result().status == "committed"
@@ -228,7 +222,7 @@ def test_a_manager_dropped_without_close_lets_its_worker_go(
         with contextlib.suppress(ProcessLookupError):  # it may be gone already
             os.kill(worker, signal.SIGCONT)
     try:
-        assert _gone(worker, DEADLINE_S), "a dropped manager's worker lives on"
+        assert gone(worker, DEADLINE_S), "a dropped manager's worker lives on"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
@@ -250,13 +244,13 @@ def test_a_manager_that_only_restores_ends_its_worker_at_close(tmp_path: Path) -
     a query) ends it at once and leaves no process."""
     model = make_model()
     with CheckpointManager(_cfg(tmp_path / "runs"), {"model": model}) as mgr:
-        _set(model, 1)
+        set_step(model, 1)
         assert mgr.save_nowait(1).result().status == "committed"
     pids = []
     for _ in range(3):
         fresh = make_model()
         with CheckpointManager(_cfg(tmp_path / "runs"), {"model": fresh}) as mgr:
             pids.append(mgr.worker_pid)
-            assert mgr.restore_sync("latest") == 1 and _exact(fresh, 1)
+            assert mgr.restore_sync("latest") == 1 and holds_step(fresh, 1)
     assert all(p is not None for p in pids)
-    assert all(not _alive(p) for p in pids if p is not None)  # reaped by close()
+    assert all(not alive(p) for p in pids if p is not None)  # reaped by close()

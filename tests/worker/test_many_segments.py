@@ -19,6 +19,7 @@ from mithril_async import CheckpointManager
 from mithril_async.config import config_from_dict
 from mithril_async.worker.channel import MAX_FDS
 from mithril_async.worker.shm import SharedArena
+from tests.worker._procs import gone
 
 #: tensors each one float over 16 segments of 4 KiB: each gets a segment of its own, however
 #: the segments grow
@@ -72,20 +73,6 @@ def _dead(pid: int, deadline_s: float = 120.0) -> bool:
     return False
 
 
-def _gone(pid: int, deadline_s: float = 120.0) -> bool:
-    """Whether process ``pid`` has exited (reaped here if it is our child)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:  # reaped already, or not ours
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-        time.sleep(0.01)
-    return False
 
 
 def test_a_state_in_hundreds_of_segments_saves_through_a_worker_and_restores_exactly(
@@ -111,7 +98,7 @@ def test_a_state_in_hundreds_of_segments_saves_through_a_worker_and_restores_exa
         second = mgr.worker_pid
         assert second is not None and second != first
         assert _segments_mapped(second) >= 2 * _TENSORS  # every segment sent to it again
-    assert _gone(second)  # the worker exits once its trainer closed the channel
+    assert gone(second)  # the worker exits once its trainer closed the channel
     for step in (1, 2, 3, 4):
         fresh = _Wide()
         with CheckpointManager(_cfg(runs), {"model": fresh}) as mgr:

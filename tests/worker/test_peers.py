@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.ranks import launch_ranks
+from tests.worker._procs import alive
 
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(["tests.worker._peer_ranks"])
@@ -22,13 +23,6 @@ _CTX.set_forkserver_preload(["tests.worker._peer_ranks"])
 DEADLINE_S = 180.0
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie left by a killed parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def _manifests(tmp: Path) -> set[str]:
@@ -52,9 +46,9 @@ def _workers(tmp: Path) -> list[int]:
 def _wait_gone(pids: list[int]) -> list[int]:
     """The pids still running after the hang guard."""
     end = time.monotonic() + DEADLINE_S
-    while time.monotonic() < end and any(_alive(p) for p in pids):
+    while time.monotonic() < end and any(alive(p) for p in pids):
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def test_a_save_every_rank_handed_over_commits_after_every_trainer_is_killed(
@@ -65,7 +59,7 @@ def test_a_save_every_rank_handed_over_commits_after_every_trainer_is_killed(
     assert len(workers) == 2 and os.getpid() not in workers
     end = time.monotonic() + DEADLINE_S  # the workers commit step 2 on their own
     while "v000002" not in _manifests(tmp_path) and time.monotonic() < end \
-            and any(_alive(p) for p in workers):
+            and any(alive(p) for p in workers):
         time.sleep(0.05)
     assert not _wait_gone(workers), "a worker outlived the save"
     assert _manifests(tmp_path) == {"v000001", "v000002"}
@@ -90,7 +84,7 @@ def test_a_rank_that_never_hands_its_save_over_fails_it_everywhere(tmp_path: Pat
 def _no_strays(tmp_path: Path) -> object:
     """No worker of a test outlives it (killed at the end if one did, and the test fails)."""
     yield
-    strays = [p for p in _workers(tmp_path) if _alive(p)]
+    strays = [p for p in _workers(tmp_path) if alive(p)]
     for pid in strays:
         os.kill(pid, 9)
     assert not strays, f"workers {strays} outlived the test"

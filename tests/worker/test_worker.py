@@ -27,7 +27,8 @@ from mithril_async.config import config_from_dict
 from mithril_async.errors import SaveFailed, WorkerExited
 from mithril_async.storage.local import LocalStore
 from tests.ranks import launch_ranks
-from tests.worker._state import expected, make_model
+from tests.worker._procs import gone
+from tests.worker._state import holds_step, make_model, set_step
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -40,31 +41,10 @@ def _cfg(runs: Path, run_id: str = "w", **pipeline: Any) -> Any:
                                                "compression": {"delta": True}}})
 
 
-def _set(model: torch.nn.Module, step: int) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(expected(step)[name])
 
 
-def _exact(model: torch.nn.Module, step: int) -> bool:
-    return all(torch.equal(p, expected(step)[n]) for n, p in model.named_parameters())
 
 
-def _gone(pid: int, deadline_s: float = 120.0) -> bool:
-    """Whether process ``pid`` has exited (waited for up to a generous deadline)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # our own child: reap it
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.01)
-    return False
 
 
 def _memfds(pid: int) -> list[str]:
@@ -83,7 +63,7 @@ def test_saves_run_in_a_worker_process_and_restore_exactly(tmp_path: Path) -> No
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as mgr:
         assert mgr.process == "worker"
         for step in (1, 2, 3):
-            _set(model, step)
+            set_step(model, step)
             res = mgr.save_nowait(step).result()
             assert res.status == "committed" and res.version_id == f"v{step:06d}"
             assert res.bytes_out > 0 and res.total_s > 0
@@ -91,12 +71,12 @@ def test_saves_run_in_a_worker_process_and_restore_exactly(tmp_path: Path) -> No
         assert pid is not None and pid != os.getpid()
         assert _memfds(pid)  # it reads the snapshot from shared memory
         assert [r.status for r in mgr.history] == ["committed"] * 3
-    assert _gone(pid)  # close() waited for the worker to exit
+    assert gone(pid)  # close() waited for the worker to exit
     fresh = make_model()
     with CheckpointManager(_cfg(tmp_path / "runs"), {"model": fresh}) as mgr:
         assert mgr.restore_sync("latest") == 3
-        assert _exact(fresh, 3)
-        assert mgr.restore_sync(2) == 2 and _exact(fresh, 2)  # a delta of v1
+        assert holds_step(fresh, 3)
+        assert mgr.restore_sync(2) == 2 and holds_step(fresh, 2)  # a delta of v1
 
 
 def test_a_trainer_killed_after_save_nowait_leaves_the_worker_to_commit(
@@ -111,11 +91,11 @@ def test_a_trainer_killed_after_save_nowait_leaves_the_worker_to_commit(
     lines = proc.stdout.split()
     assert "saved" in lines and lines[-1] == "2"
     worker = int(lines[lines.index("worker") + 1])
-    assert _gone(worker), "the worker outlived its trainer past the save"
+    assert gone(worker), "the worker outlived its trainer past the save"
     fresh = make_model()
     with CheckpointManager(_cfg(runs), {"model": fresh}) as mgr:
         assert mgr.restore_sync("latest") == 2
-    assert _exact(fresh, 2)
+    assert holds_step(fresh, 2)
 
 
 def test_a_script_without_a_main_guard_saves_through_a_worker(tmp_path: Path) -> None:
@@ -135,11 +115,11 @@ def test_a_worker_killed_mid_save_fails_that_save_typed_and_the_next_one_commits
     model = make_model()
     state = {"model": model, "big": big}
     with CheckpointManager(_cfg(runs), state) as mgr:
-        _set(model, 1)
+        set_step(model, 1)
         assert mgr.save_nowait(1).result().status == "committed"
         killed = None
         for step in (2, 3, 4, 5):  # until a kill lands between the claim and the manifest
-            _set(model, step)
+            set_step(model, step)
             with torch.no_grad():
                 big.weight.add_(1.0)
             pid = mgr.worker_pid
@@ -163,14 +143,14 @@ def test_a_worker_killed_mid_save_fails_that_save_typed_and_the_next_one_commits
         assert "SIGKILL" in str(err.value.__cause__) and str(pid) in str(err.value.__cause__)
         assert mgr.history[-1].status == "failed"
         assert not (runs / "w" / "versions" / f"v{killed:06d}" / "manifest.json").exists()
-        _set(model, 9)
+        set_step(model, 9)
         res = mgr.save_nowait(9).result()  # a new worker
         assert res.status == "committed" and mgr.worker_pid not in (None, pid)
     fresh = make_model()
     with CheckpointManager(_cfg(runs), {"model": fresh, "big": torch.nn.Linear(2048, 2048)}
                            ) as mgr:
         assert mgr.restore_sync("latest") == 9
-        assert _exact(fresh, 9)
+        assert holds_step(fresh, 9)
         assert mgr.restore_sync(killed - 1) == killed - 1  # the last good one before it
 
 
@@ -178,8 +158,8 @@ def test_two_managers_in_one_process_have_a_worker_each(tmp_path: Path) -> None:
     a, b = make_model(), make_model()
     with CheckpointManager(_cfg(tmp_path / "a", "a"), {"model": a}) as ma, \
             CheckpointManager(_cfg(tmp_path / "b", "b"), {"model": b}) as mb:
-        _set(a, 1)
-        _set(b, 2)
+        set_step(a, 1)
+        set_step(b, 2)
         ha, hb = ma.save_nowait(1), mb.save_nowait(2)
         assert ha.result().status == hb.result().status == "committed"
         assert ma.worker_pid != mb.worker_pid
@@ -187,7 +167,7 @@ def test_two_managers_in_one_process_have_a_worker_each(tmp_path: Path) -> None:
         fresh = make_model()
         with CheckpointManager(_cfg(runs, rid), {"model": fresh}) as m:
             assert m.restore_sync("latest") == step
-        assert _exact(fresh, step)
+        assert holds_step(fresh, step)
 
 
 def test_the_process_setting_is_checked_and_what_a_worker_cannot_serve_runs_inline(
@@ -207,7 +187,7 @@ def test_the_process_setting_is_checked_and_what_a_worker_cannot_serve_runs_inli
     with CheckpointManager(default, {"model": model},
                            store=LocalStore(tmp_path), runs_prefix="runs") as mgr:
         assert mgr.process == "inline" and mgr.worker_pid is None
-        _set(model, 1)
+        set_step(model, 1)
         assert mgr.save_nowait(1).result().status == "committed"
     assert "a store was passed to the manager" in caplog.text
     lossy = config_from_dict({"checkpointing": {
