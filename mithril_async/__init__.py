@@ -1,12 +1,17 @@
 """mithril_async: fast, small and safe asynchronous checkpointing for PyTorch training.
 
 The public API, re-exported; see README.md for a tour.
+
+The errors are imported here; every other name is imported on first use (PEP 562), so a
+process that needs only part of the library (the checkpoint worker, which encodes bytes from
+shared memory, or the ``mithril`` command) does not pay for the rest (torch above all).
 """
 
-from mithril_async.codec import compress_state_dict, decompress_state_dict
-from mithril_async.compressor import Compressor
-from mithril_async.config import Config, load_config, parse_config
-from mithril_async.distributed import DistCoordinator
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mithril_async.errors import (
     ChecksumMismatch,
     ClaimLost,
@@ -38,14 +43,69 @@ from mithril_async.errors import (
     VersionNotFound,
     WorkerExited,
 )
-from mithril_async.manager import CheckpointManager, RestoreResult, ResumeReport
-from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.retention import KeepAny, KeepBestN, KeepEveryNSteps, KeepLastN, Policy
-from mithril_async.state import TensorDict
-from mithril_async.storage import open_store
-from mithril_async.storage.base import BlobWriter, Store
+
+if TYPE_CHECKING:
+    from mithril_async.codec import (
+        compress_state_dict,
+        decompress_state_dict,
+    )
+    from mithril_async.compressor import Compressor
+    from mithril_async.config import (
+        Config,
+        load_config,
+        parse_config,
+    )
+    from mithril_async.distributed import DistCoordinator
+    from mithril_async.manager import (
+        CheckpointManager,
+        RestoreResult,
+        ResumeReport,
+    )
+    from mithril_async.pipeline.results import (
+        SaveHandle,
+        SaveResult,
+    )
+    from mithril_async.retention import (
+        KeepAny,
+        KeepBestN,
+        KeepEveryNSteps,
+        KeepLastN,
+        Policy,
+    )
+    from mithril_async.state import TensorDict
+    from mithril_async.storage import open_store
+    from mithril_async.storage.base import (
+        BlobWriter,
+        Store,
+    )
 
 __version__ = "0.1.0"
+
+#: every public name imported on first use, and the module that defines it
+_LAZY: dict[str, str] = {
+    "BlobWriter": "mithril_async.storage.base",
+    "CheckpointManager": "mithril_async.manager",
+    "Compressor": "mithril_async.compressor",
+    "Config": "mithril_async.config",
+    "DistCoordinator": "mithril_async.distributed",
+    "KeepAny": "mithril_async.retention",
+    "KeepBestN": "mithril_async.retention",
+    "KeepEveryNSteps": "mithril_async.retention",
+    "KeepLastN": "mithril_async.retention",
+    "Policy": "mithril_async.retention",
+    "RestoreResult": "mithril_async.manager",
+    "ResumeReport": "mithril_async.manager",
+    "SaveHandle": "mithril_async.pipeline.results",
+    "SaveResult": "mithril_async.pipeline.results",
+    "Store": "mithril_async.storage.base",
+    "TensorDict": "mithril_async.state",
+    "compress_state_dict": "mithril_async.codec",
+    "decompress_state_dict": "mithril_async.codec",
+    "load_config": "mithril_async.config",
+    "open_store": "mithril_async.storage",
+    "parse_config": "mithril_async.config",
+}
+
 
 __all__ = [
     "BlobWriter",
@@ -100,3 +160,16 @@ __all__ = [
     "parse_config",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mithril_async' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

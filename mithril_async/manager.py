@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -62,6 +63,7 @@ from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
 from mithril_async.save.overlap import StepGuard, optimizers_in
+from mithril_async.save.staging import StagingArea
 from mithril_async.save.writers import BlobEncoder
 from mithril_async.state import (
     JsonStateful,
@@ -73,8 +75,8 @@ from mithril_async.state import (
 )
 from mithril_async.storage.base import Store
 from mithril_async.tiers.layer import Tiers
+from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.client import WorkerClient, worker_unsupported
-from mithril_async.worker.shm import SharedArena
 
 log = logging.getLogger("mithril_async")
 _UNSET: Any = object()  # retention= not given: the config decides
@@ -265,7 +267,7 @@ class CheckpointManager:
             log.info('process = "worker": saves run in the training process (%s)', why)
             return "inline"
         arena = SharedArena()
-        self._ctx.alloc = arena.buffer
+        self._ctx.new_area = functools.partial(StagingArea, alloc=arena.buffer)
         self._worker = WorkerClient(self._ctx, arena, run_id=self.run_id,
                                     runs_prefix=runs_prefix, sharded_model=sharded_model,
                                     keep_all=keep_all)

@@ -11,6 +11,10 @@ What the manager calls (all synchronous, thread-safe, GIL-free in their hot loop
 * :func:`compress_state_dict` / :func:`decompress_state_dict`: the whole thing in memory.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from mithril_async.codec import rans
 from mithril_async.codec.chunk import (
     ChunkMeta,
@@ -37,12 +41,19 @@ from mithril_async.codec.dtypes import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from mithril_async.codec.state_dict import (
-    compress_state_dict,
-    decompress_state_dict,
-    default_threads,
-    read_info,
-)
+
+if TYPE_CHECKING:
+    from mithril_async.codec.state_dict import (
+        compress_state_dict,
+        decompress_state_dict,
+        default_threads,
+        read_info,
+    )
+
+#: imported on first use: the whole-state functions build torch tensors, the rest of the
+#: codec works on bytes (the checkpoint worker imports it without torch)
+_STATE_DICT_NAMES = frozenset({"compress_state_dict", "decompress_state_dict",
+                               "default_threads", "read_info"})
 
 __all__ = [
     "DTYPES",
@@ -70,3 +81,13 @@ __all__ = [
     "tensor_bytes",
     "tensor_from_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _STATE_DICT_NAMES:
+        raise AttributeError(f"module 'mithril_async.codec' has no attribute {name!r}")
+    from mithril_async.codec import state_dict
+
+    value = getattr(state_dict, name)
+    globals()[name] = value
+    return value

@@ -17,16 +17,27 @@ torch) are refused, their two layouts would share a name.
 
 Why zero-copy: the async manager snapshots tensors into its own host buffers and then hands them
 to the codec; an extra copy here would double the memory traffic of every save.
+
+torch is imported only by what needs a torch tensor (:func:`tensor_from_bytes`,
+:attr:`DtypeInfo.torch_dtype`): a process that encodes bytes it did not make (the checkpoint
+worker, reading the trainer's staging memory as :class:`RawTensor`) never loads it. A torch
+tensor can only reach this module from a process that imported torch, so checking for one
+looks it up in ``sys.modules`` instead of importing it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import ml_dtypes as _ml_dtypes
@@ -38,6 +49,7 @@ from mithril_async.errors import ShapeMismatch, UnsupportedDtype
 __all__ = [
     "DTYPES",
     "DtypeInfo",
+    "RawTensor",
     "dtype_info",
     "dtype_name",
     "tensor_bytes",
@@ -64,8 +76,43 @@ class DtypeInfo:
     kind: Kind
     group_width: int
     exp_kind: str | None
-    torch_dtype: torch.dtype | None
     numpy_dtype: np.dtype[Any] | None
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """torch's dtype of this name (None where torch has none); imports torch."""
+        return _torch_dtypes().get(self.name)
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor as bytes: a flat ``uint8`` array, its stable dtype name and its shape.
+
+    What a process without torch holds of a tensor another process staged (a view of shared
+    memory, never a copy); the codec takes it wherever it takes a tensor.
+    """
+
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        info = dtype_info(self.dtype)
+        if self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise ShapeMismatch(f"RawTensor of {self.dtype}: data must be a flat uint8 array")
+        if self.data.size != math.prod(self.shape) * info.itemsize:
+            raise ShapeMismatch(f"{self.data.size} bytes do not hold "
+                                f"{self.dtype}{list(self.shape)}")
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
 
 
 def _ml_dtype(name: str) -> np.dtype[Any] | None:
@@ -76,17 +123,12 @@ def _ml_dtype(name: str) -> np.dtype[Any] | None:
 
 def _mk(name: str, itemsize: int, kind: Kind, *, group: int | None = None,
         exp: str | None = None, np_name: str | None = None, ml: bool = False,
-        ) -> DtypeInfo | None:
+        ) -> DtypeInfo:
     """``ml``: the numpy dtype is ml_dtypes' type of the same name (when installed)."""
-    tdt = getattr(torch, name, None)
-    if not isinstance(tdt, torch.dtype):
-        tdt = None
     ndt = np.dtype(np_name) if np_name is not None else _ml_dtype(name) if ml else None
     if ndt is not None and ndt.itemsize != itemsize:  # pragma: no cover - a changed ml_dtypes
         ndt = None
-    if tdt is None and ndt is None:
-        return None
-    return DtypeInfo(name, itemsize, kind, group if group is not None else itemsize, exp, tdt, ndt)
+    return DtypeInfo(name, itemsize, kind, group if group is not None else itemsize, exp, ndt)
 
 
 _ALL = [
@@ -118,10 +160,25 @@ _ALL = [
 ]
 
 #: Every supported dtype by its stable name.
-DTYPES: dict[str, DtypeInfo] = {i.name: i for i in _ALL if i is not None}
-_BY_TORCH: dict[torch.dtype, DtypeInfo] = {
-    i.torch_dtype: i for i in DTYPES.values() if i.torch_dtype is not None
-}
+DTYPES: dict[str, DtypeInfo] = {i.name: i for i in _ALL}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """torch's dtype of each stable name torch has (imports torch)."""
+    torch = importlib.import_module("torch")
+    return {name: dt for name in DTYPES
+            if isinstance(dt := getattr(torch, name, None), torch.dtype)}
+
+
+@functools.cache
+def _by_torch() -> dict[torch.dtype, DtypeInfo]:
+    return {dt: DTYPES[name] for name, dt in _torch_dtypes().items()}
+
+
+def _torch_module() -> Any:
+    """torch, where this process imported it (else None: no torch tensor can exist)."""
+    return sys.modules.get("torch")
 _BY_NUMPY: dict[np.dtype[Any], DtypeInfo] = {
     i.numpy_dtype: i for i in DTYPES.values() if i.numpy_dtype is not None
 }
@@ -135,35 +192,43 @@ def dtype_info(name: str, *, where: str = "tensor") -> DtypeInfo:
         raise UnsupportedDtype(f"{where}: unsupported dtype {name!r}") from None
 
 
-def dtype_name(x: torch.Tensor | np.ndarray[Any, Any] | torch.dtype | np.dtype[Any],
-               *, where: str = "tensor") -> str:
-    """Stable name of the dtype of a tensor, array or dtype object."""
-    dt = x.dtype if isinstance(x, (torch.Tensor, np.ndarray)) else x
+def dtype_name(x: torch.Tensor | np.ndarray[Any, Any] | RawTensor | torch.dtype
+               | np.dtype[Any], *, where: str = "tensor") -> str:
+    """Stable name of the dtype of a tensor, array, :class:`RawTensor` or dtype object."""
+    if isinstance(x, RawTensor):
+        return x.dtype
+    torch = _torch_module()
+    dt = x.dtype if isinstance(x, np.ndarray) or (
+        torch is not None and isinstance(x, torch.Tensor)) else x
     info: DtypeInfo | None
-    if isinstance(dt, torch.dtype):
-        info = _BY_TORCH.get(dt)
+    if torch is not None and isinstance(dt, torch.dtype):
+        info = _by_torch().get(dt)
     else:
-        ndt = np.dtype(dt)
+        ndt = np.dtype(cast(Any, dt))
         info = _BY_NUMPY.get(ndt.newbyteorder("=")) if ndt.isnative else None
     if info is None:
         raise UnsupportedDtype(f"{where}: unsupported dtype {dt} (no fixed-width byte layout)")
     return info.name
 
 
-def tensor_bytes(x: torch.Tensor | np.ndarray[Any, Any], *, where: str = "tensor",
+def tensor_bytes(x: torch.Tensor | np.ndarray[Any, Any] | RawTensor, *, where: str = "tensor",
                  ) -> tuple[np.ndarray[Any, np.dtype[np.uint8]], str, tuple[int, ...]]:
-    """``(read-only uint8 view, dtype name, shape)`` of a tensor or numpy array.
+    """``(read-only uint8 view, dtype name, shape)`` of a tensor, numpy array or
+    :class:`RawTensor`.
 
     Contiguous CPU tensors are viewed without a copy; non-contiguous, conjugated or
     non-CPU tensors are copied first.  The input is never mutated and the returned view is
     read-only so the codec cannot mutate it by accident either.
     """
-    if isinstance(x, np.ndarray):
+    torch = _torch_module()
+    if isinstance(x, RawTensor):
+        arr, name, shape = x.data, x.dtype, x.shape
+    elif isinstance(x, np.ndarray):
         name = dtype_name(x, where=where)
         shape = tuple(int(s) for s in x.shape)
         arr = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
-    elif isinstance(x, torch.Tensor):
-        info = _BY_TORCH.get(x.dtype)
+    elif torch is not None and isinstance(x, torch.Tensor):
+        info = _by_torch().get(x.dtype)
         if (info is not None and not x.is_nested and x.layout == torch.strided
                 and x.device.type == "cpu" and x.is_contiguous()
                 and not (x.is_conj() or x.is_neg())):
@@ -197,6 +262,8 @@ def tensor_from_bytes(buf: np.ndarray[Any, Any] | bytes | bytearray | memoryview
                       dtype_name: str, shape: tuple[int, ...] | list[int], *,
                       where: str = "tensor") -> torch.Tensor:
     """Build a CPU tensor of ``dtype_name``/``shape`` over ``buf`` (no copy when writable)."""
+    import torch
+
     info = dtype_info(dtype_name, where=where)
     if info.torch_dtype is None:
         raise UnsupportedDtype(f"{where}: dtype {dtype_name!r} has no torch equivalent")

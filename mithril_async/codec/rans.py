@@ -18,6 +18,7 @@ byte layout is in ``docs/FORMAT.md``.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
@@ -42,8 +43,7 @@ _ffi: Any = None
 _lib: Any = None
 NATIVE = False
 try:
-    from mithril_async import _rans as _ext  # type: ignore[attr-defined]
-
+    _ext: Any = importlib.import_module("mithril_async._rans")
     _ffi, _lib, NATIVE = _ext.ffi, _ext.lib, True
 except ImportError:  # pragma: no cover - extension not built
     pass

@@ -13,28 +13,33 @@ import itertools
 import json
 import math
 import struct
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-
-from mithril_async.codec.dtypes import dtype_info
+from mithril_async.codec.dtypes import dtype_info, dtype_name
 from mithril_async.errors import InvalidFormat, UnsupportedDtype
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+if TYPE_CHECKING:
+    import torch
+
+    from mithril_async.codec.dtypes import RawTensor
+
+#: the codec's dtype names -> safetensors dtype codes (the dtypes safetensors holds)
+SAFETENSORS_CODES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
 }
 
 
-def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+def safetensors_header(tensors: dict[str, torch.Tensor] | dict[str, RawTensor],
+                       metadata: dict[str, str]) -> bytes:
     """The header bytes (length prefix + JSON, padded to 8 bytes) for ``tensors`` in order."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors.items():
-        code = SAFETENSORS_DTYPES.get(t.dtype)
+        code = SAFETENSORS_CODES.get(dtype_name(t, where=f"tensor {name!r}"))
         if code is None:
             raise UnsupportedDtype(
                 f"tensor {name!r}: dtype {t.dtype} cannot be stored uncompressed as safetensors; "
@@ -49,7 +54,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 
 #: safetensors dtype codes -> the codec's dtype names (torch's, without ``torch.``)
-DTYPE_NAMES = {code: str(dt).removeprefix("torch.") for dt, code in SAFETENSORS_DTYPES.items()}
+DTYPE_NAMES = {code: name for name, code in SAFETENSORS_CODES.items()}
 #: the largest header a reader accepts
 MAX_HEADER = 64 << 20
 

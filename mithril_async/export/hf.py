@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from mithril_async.catalog import RunCatalog, open_catalog
-from mithril_async.codec.safetensors_io import SAFETENSORS_DTYPES, safetensors_header
+from mithril_async.codec.safetensors_io import SAFETENSORS_CODES, safetensors_header
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import (
     ConfigError,
@@ -64,6 +64,10 @@ from mithril_async.export.tensors import TensorSpec, open_item_tensors
 from mithril_async.pipeline.loop import run_to_completion
 from mithril_async.restore.reader import DEFAULT_INFLIGHT_MIB, VersionReader
 from mithril_async.storage.atomic import atomic_file, atomic_write
+
+#: torch dtypes safetensors holds -> their safetensors codes
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, name): code for name, code in SAFETENSORS_CODES.items()}
 
 __all__ = ["INDEX_NAME", "WEIGHTS_NAME", "ExportResult", "OutputExists", "export_hf",
            "export_hf_async", "export_on_close", "parse_size", "plan_shards", "shard_names"]

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,9 +26,10 @@ from mithril_async.codec.chunk import (
 )
 from mithril_async.codec.container import TensorEntry
 from mithril_async.memory.budget import ChunkWindow
-from mithril_async.memory.ring import SlotLease
-from mithril_async.save.items import U8
-from mithril_async.save.stream import StreamedTensor
+from mithril_async.save.items import U8, StreamedTensor
+
+if TYPE_CHECKING:
+    from mithril_async.memory.ring import SlotLease
 
 __all__ = ["ChunkJob", "ChunkRun", "Sink", "batch_jobs"]
 

@@ -11,29 +11,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config
-from mithril_async.device import host_buffer
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import BlobRef, version_id
 from mithril_async.memory.budget import HostBudget
-from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.coordinator import Coordinator
-from mithril_async.pipeline.lossy import LossyTrack
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import Policy
+from mithril_async.save.buffers import BufferSet
 from mithril_async.save.delta_chain import ChainPolicy, ItemChain
-from mithril_async.save.staging import Allocator, StagingArea
 from mithril_async.save.writers import BlobEncoder
 from mithril_async.storage.base import Store
 from mithril_async.storage.capabilities import local_root
 
-__all__ = ["SaveContext"]
+if TYPE_CHECKING:
+    from mithril_async.memory.ring import SlotRing
+    from mithril_async.pipeline.lossy import LossyTrack
+
+__all__ = ["SaveContext", "staging_area"]
 
 log = logging.getLogger("mithril_async")
+
+
+def staging_area() -> BufferSet:
+    """A training process's buffer set: host buffers the live state is copied into (torch is
+    imported here, not with this module: a checkpoint worker never makes one)."""
+    from mithril_async.save.staging import StagingArea
+
+    return StagingArea()
 
 
 @dataclass
@@ -66,8 +75,10 @@ class SaveContext:
     lossy_idle_warned: bool = False
     #: the slot ring of streamed saves (host_memory_mib), reused while its size fits
     ring: SlotRing | None = None
-    #: where staging buffers are allocated (shared memory when a worker process encodes)
-    alloc: Allocator = host_buffer
+    #: makes an item's staging buffer set: a trainer's copies the live state in
+    #: (:func:`staging_area`, in shared memory when a worker process encodes); a checkpoint
+    #: worker's only holds what its trainer staged (:class:`BufferSet`)
+    new_area: Callable[[], BufferSet] = staging_area
 
     def __post_init__(self) -> None:
         remote = self.config.checkpointing.remote
@@ -103,7 +114,7 @@ class SaveContext:
         if chain is None:  # once per item: its staging buffers live in the chain
             sets = 2 if self.chain_policy.double_buffer else 1
             chain = self.chains[name] = ItemChain(
-                self.chain_policy, [StagingArea(alloc=self.alloc) for _ in range(sets)])
+                self.chain_policy, [self.new_area() for _ in range(sets)])
         return chain
 
     async def discard(self, number: int) -> None:

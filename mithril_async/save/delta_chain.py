@@ -21,19 +21,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import dtype_name, tensor_bytes
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.blobs import TensorRef
+from mithril_async.save.buffers import BufferSet
+
+if TYPE_CHECKING:
+    import torch
+
+    from mithril_async.codec.dtypes import RawTensor
+
+    #: a staged tensor: a torch tensor in the trainer, a view of its staging memory in a
+    #: checkpoint worker
+    Staged = torch.Tensor | RawTensor
 from mithril_async.save.delta_choice import delta_pays
 from mithril_async.save.items import EncodePlan
-from mithril_async.save.staging import StagingArea
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class ItemChain:
     """One state item's chain: staging buffers and what the last committed version holds."""
 
     policy: ChainPolicy
-    areas: list[StagingArea] = field(default_factory=list)
+    #: the buffer sets snapshots are staged into (two when the last one is a delta base)
+    areas: list[BufferSet] = field(default_factory=list)
     base_idx: int | None = None
     base_blob: BaseRef | None = None
     #: blobs a restore of the base reads along its chain (1 = the base is a keyframe)
@@ -69,7 +78,7 @@ class ItemChain:
 
     def __post_init__(self) -> None:
         if not self.areas:
-            self.areas = [StagingArea() for _ in range(2 if self.policy.double_buffer else 1)]
+            self.areas = [BufferSet() for _ in range(2 if self.policy.double_buffer else 1)]
 
     @property
     def write_idx(self) -> int:
@@ -89,11 +98,11 @@ class ItemChain:
             a.release()
 
 
-def _raw(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+def _raw(t: Staged) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return tensor_bytes(t)[0]
 
 
-def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
+def plan_item(chain: ItemChain, tensors: dict[str, Staged]
               ) -> tuple[EncodePlan, dict[str, int]]:
     """Decide per tensor: reference (unchanged), XOR delta against the base (when that is
     estimated to pay, :func:`~mithril_async.save.delta_choice.delta_pays`), or full.
@@ -103,7 +112,7 @@ def plan_item(chain: ItemChain, tensors: dict[str, torch.Tensor]
     """
     plan = EncodePlan()
     hashes: dict[str, int] = {}
-    base: dict[str, torch.Tensor] = {}
+    base: dict[str, Staged] = {}
     if chain.base_idx is not None:
         base = chain.areas[chain.base_idx].buffers
     pol = chain.policy

@@ -4,17 +4,19 @@ encode them against the previous version (:class:`EncodePlan`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from mithril_async.manifest import BaseRef
-from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.blobs import TensorRef
-from mithril_async.save.stream import StreamedTensor
 
-__all__ = ["U8", "EncodePlan", "StagedItem"]
+if TYPE_CHECKING:
+    import torch
+
+    from mithril_async.memory.ring import SlotLease, SlotRing
+
+__all__ = ["U8", "ChunkSource", "EncodePlan", "StagedItem", "StreamedTensor"]
 
 U8 = np.ndarray[Any, np.dtype[np.uint8]]
 
@@ -30,13 +32,45 @@ class EncodePlan:
     nonfinite: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+class ChunkSource(Protocol):
+    """Where a streamed tensor's chunks are copied out from (a
+    :class:`~mithril_async.save.stream.StreamSnapshot`): its slot ring, and the copy-out."""
+
+    ring: SlotRing
+
+    def fetch(self, lease: SlotLease, t: StreamedTensor, off: int, n: int) -> U8: ...
+
+
+@dataclass
+class StreamedTensor:
+    """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot)."""
+
+    snap: ChunkSource
+    name: str
+    src: torch.Tensor  # plain and contiguous, on the CPU or a CUDA device
+    later: bool  # an overlapped snapshot's optimizer-owned tensor (copied after save())
+    dtype: str
+    shape: tuple[int, ...]
+    device: bool = False  # copied by the snapshot's device copier (CUDA), not on the CPU
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel() * self.src.element_size()
+
+    def fetch(self, lease: SlotLease, off: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return self.snap.fetch(lease, self, off, n)
+
+
 @dataclass
 class StagedItem:
     """One stateful object's snapshot: its tree skeleton and its staged tensors."""
 
     name: str
     skeleton: Any
-    tensors: dict[str, torch.Tensor]
+    #: torch tensors in the trainer; views of its staging memory in a checkpoint worker
+    #: (:class:`~mithril_async.codec.dtypes.RawTensor`): the encoder reads either through
+    #: :func:`~mithril_async.codec.dtypes.tensor_bytes`
+    tensors: dict[str, Any]
     #: which of the item's staging buffer sets holds ``tensors`` (double-buffered chains)
     area_idx: int = 0
     #: streamed under host_memory_mib: ``tensors`` are the live ones, copied out chunk by

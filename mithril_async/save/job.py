@@ -34,8 +34,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import xxhash
 
@@ -43,16 +43,17 @@ from mithril_async.errors import DistributedError, NonFiniteState
 from mithril_async.manifest import BaseRef, BlobRef, ShardRef, VersionManifest, version_id
 from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.loop import all_or_first_error
-from mithril_async.pipeline.lossy import write_lossy
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.commit import VersionCommit
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ItemChain, commit_item, depends_on, plan_item
 from mithril_async.save.items import EncodePlan, StagedItem
 from mithril_async.save.nonfinite import count_tensors, mark_allowed
-from mithril_async.save.overlap import StepGuard
-from mithril_async.save.snapshot import StateSnapshot
-from mithril_async.save.staging import Snapshot
+from mithril_async.save.snapshot import HandedOff, StateSnapshot
+
+if TYPE_CHECKING:
+    from mithril_async.save.buffers import Snapshot
+    from mithril_async.save.overlap import StepGuard
 
 __all__ = ["SaveJob"]
 
@@ -69,11 +70,18 @@ _ChainUpdate = tuple[ItemChain, int, BlobRef, EncodePlan, dict[str, int], list[s
 class SaveJob:
     """One save: ``snapshot()`` on the caller's thread, then ``run()`` on the background loop."""
 
-    def __init__(self, ctx: SaveContext, step: int, t0: float) -> None:
+    def __init__(self, ctx: SaveContext, step: int, t0: float,
+                 handed: HandedOff | None = None, overlap: Any = None) -> None:
+        """``handed``: the snapshot another process took (a checkpoint worker's job, whose
+        :meth:`snapshot` is never called; ``overlap`` says when that process's overlapped
+        copy is complete); None: the live state is copied by :meth:`snapshot`."""
         self.ctx = ctx
         self.step = step
         self.t0 = t0
-        self.snap = StateSnapshot(ctx, on_now=self._stall_ends)
+        self.snap = (_trainer_snapshot(ctx, self._stall_ends) if handed is None
+                     else StateSnapshot(ctx))
+        if handed is not None:
+            self.snap.adopt(handed, overlap)
         #: rank 0: the version's claim and commit
         self.version = VersionCommit(ctx)
         self.result: SaveResult | None = None
@@ -85,6 +93,9 @@ class SaveJob:
     def snapshot(self, defer: frozenset[int], guard: StepGuard | None) -> list[Snapshot]:
         """Copy the state (the stall); the snapshots whose device copies the caller waits
         for (see :meth:`StateSnapshot.take`)."""
+        from mithril_async.save.trainer_snapshot import TrainerSnapshot
+
+        assert isinstance(self.snap, TrainerSnapshot), "a handed-off snapshot is taken already"
         return self.snap.take(defer, guard)
 
     def wait_consumed(self) -> None:
@@ -387,6 +398,7 @@ class SaveJob:
                         "version, and the lossy chain restarts at the next one", ctx.rank,
                         ", ".join(sorted(counts)))
         ckpt = await loop.run_in_executor(ctx.pool, ctx.lossy.encode, lossy_state, roles)
+        from mithril_async.pipeline.lossy import write_lossy  # torch: a lossy tier's only
         shard = await write_lossy(ctx.store, ctx.layout.lossy_key(number, ctx.rank), ckpt,
                                   ctx.lossy.base, ctx.rank, ctx.pool,
                                   ctx.config.checkpointing.lossy.level)
@@ -400,3 +412,11 @@ class SaveJob:
 async def _agreed(number: asyncio.Future[int]) -> int:
     """The agreed version number; shielded: a failed write must not cancel the agreement."""
     return await asyncio.shield(number)
+
+
+def _trainer_snapshot(ctx: SaveContext, on_now: Callable[[], None]) -> StateSnapshot:
+    """A snapshot of the live state (imported here: it needs torch, which a checkpoint
+    worker, whose snapshots are handed to it, never loads)."""
+    from mithril_async.save.trainer_snapshot import TrainerSnapshot
+
+    return TrainerSnapshot(ctx, on_now)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from mithril_async.codec import kernels as K
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.errors import NonFiniteState
 from mithril_async.manifest import BlobRef, NonFinite, merge_nonfinite
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Counts", "blocking", "count_tensors", "describe", "failure", "mark_allowed",
            "named"]

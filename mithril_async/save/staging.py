@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from mithril_async.codec import kernels as K
-from mithril_async.device import CudaCopier, await_event, host_buffer, pinning
+from mithril_async.device import CudaCopier, host_buffer, pinning
 from mithril_async.errors import SnapshotTorn
+from mithril_async.save.buffers import BufferSet, Job, Snapshot
 
 __all__ = ["PLAIN_TYPES", "STREAM_COPY_MIN_BYTES", "Allocator", "Job", "Snapshot",
            "StagingArea", "copy_jobs", "default_copy_threads", "split_jobs", "torn", "torn_error"]
@@ -45,7 +46,6 @@ PARALLEL_COPY_MIN_BYTES = 8 << 20
 #: tensor types whose bytes are their values (subclasses may override what a copy means)
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-Job = tuple[int, int, int]  # (src address, dst address, nbytes)
 _helper: ThreadPoolExecutor | None = None
 
 
@@ -126,37 +126,6 @@ def torn_error(changed: list[str]) -> SnapshotTorn:
 
 
 @dataclass
-class Snapshot:
-    """Host copies of one state's tensors, plus what is needed to know they are complete."""
-
-    tensors: dict[str, torch.Tensor]
-    event: Any = None  # torch.cuda.Event when a device copy is in flight
-    nbytes: int = 0
-    copy_s: float = 0.0
-    reused: bool = True
-    devices: set[str] = field(default_factory=set)
-    #: byte copies left to a background thread (``defer``), not yet run
-    deferred: list[Job] = field(default_factory=list)
-    #: (name, source, its ``_version`` at snapshot time) for every deferred copy
-    watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-    #: torch.cuda.Event after the deferred device copies (``defer``), with their sources
-    later_event: Any = None
-    later_watch: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-
-    def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-    def wait_blocking(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    async def wait(self, poll_s: float = 0.0002) -> None:
-        """Yield to the event loop until the device copies completed."""
-        if self.event is not None:
-            await await_event(self.event, poll_s)
-
-
-@dataclass
 class _Plan:
     """What one snapshot copies, and how: collected first, run at the end."""
 
@@ -174,29 +143,17 @@ class _Plan:
 Allocator = Callable[[torch.Size, torch.dtype, bool], torch.Tensor]
 
 
-class StagingArea:
+class StagingArea(BufferSet):
     """Reusable host buffers keyed by tensor name (one area per blob kind), allocated by
-    ``alloc``."""
+    ``alloc``, and the copy of a live state into them."""
 
     def __init__(self, pin_memory: bool | None = None, copy_threads: int | None = None,
                  alloc: Allocator = host_buffer) -> None:
+        super().__init__()
         self._pin = pinning() if pin_memory is None else pin_memory
         self.copy_threads = default_copy_threads() if copy_threads is None else copy_threads
         self._alloc = alloc
-        self._buffers: dict[str, torch.Tensor] = {}
         self._copier: CudaCopier | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The staged tensors by name (read-only use: they are reused by the next snapshot)."""
-        return self._buffers
-
-    def release(self) -> None:
-        self._buffers.clear()
 
     def _buffer_for(self, name: str, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
         buf = self._buffers.get(name)
@@ -205,10 +162,6 @@ class StagingArea:
         buf = self._alloc(src.shape, src.dtype, self._pin and src.device.type == "cuda")
         self._buffers[name] = buf
         return buf, False
-
-    def adopt(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Hold ``buffers`` as this area's (another process's snapshot, mapped here)."""
-        self._buffers = dict(buffers)
 
     def snapshot(self, tensors: dict[str, torch.Tensor],
                  defer: frozenset[int] | set[int] = frozenset()) -> Snapshot:

@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,6 +22,7 @@ from mithril_async.codec import kernels as K
 from mithril_async.codec.dtypes import dtype_name
 from mithril_async.device import CudaCopier
 from mithril_async.memory.ring import SlotLease, SlotRing
+from mithril_async.save.items import StreamedTensor
 from mithril_async.save.staging import STREAM_COPY_MIN_BYTES, torn, torn_error
 
 __all__ = ["DeviceCopier", "StreamSnapshot", "StreamedTensor"]
@@ -35,26 +35,6 @@ class DeviceCopier(Protocol):
     def new_event(self) -> Any: ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, event: Any) -> None: ...
-
-
-@dataclass
-class StreamedTensor:
-    """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot)."""
-
-    snap: StreamSnapshot
-    name: str
-    src: torch.Tensor  # plain and contiguous, on the CPU or a CUDA device
-    later: bool  # an overlapped snapshot's optimizer-owned tensor (copied after save())
-    dtype: str
-    shape: tuple[int, ...]
-    device: bool = False  # copied by the snapshot's device copier (CUDA), not on the CPU
-
-    @property
-    def nbytes(self) -> int:
-        return self.src.numel() * self.src.element_size()
-
-    def fetch(self, lease: SlotLease, off: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return self.snap.fetch(lease, self, off, n)
 
 
 class StreamSnapshot:

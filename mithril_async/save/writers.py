@@ -38,9 +38,8 @@ from mithril_async.pipeline.blobs import ITEM_KEY, REFS_KEY, SKELETON_KEY
 from mithril_async.pipeline.loop import lower_priority
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.save.chunks import ChunkJob, ChunkRun, batch_jobs
-from mithril_async.save.items import U8, EncodePlan, StagedItem
+from mithril_async.save.items import U8, EncodePlan, StagedItem, StreamedTensor
 from mithril_async.save.nonfinite import named
-from mithril_async.save.stream import StreamedTensor
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.deferred import DeferredWriter
 

@@ -51,6 +51,7 @@ from mithril_async.errors import WorkerExited
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
+from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import MAX_FDS, Channel, ChannelClosed
 from mithril_async.worker.handoff import (
     config_doc,
@@ -61,7 +62,6 @@ from mithril_async.worker.handoff import (
     update_result,
 )
 from mithril_async.worker.peers import rendezvous
-from mithril_async.worker.shm import SharedArena
 from mithril_async.worker.signals import JOB_SIGNALS
 
 __all__ = ["WorkerClient", "worker_unsupported"]

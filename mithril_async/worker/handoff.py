@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mithril_async import errors
+from mithril_async.codec.dtypes import DTYPES
 from mithril_async.config import Config
 from mithril_async.manifest import PieceMeta
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.state import TORCH_DTYPES
 from mithril_async.worker.shm import BufferAt
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["config_doc", "config_of", "error_doc", "error_of", "pieces_doc", "pieces_of",
            "result_doc", "update_result", "tensor_doc"]
@@ -43,13 +44,13 @@ def tensor_doc(name: str, t: torch.Tensor, at: BufferAt | None) -> list[Any]:
     return [name, str(t.dtype).removeprefix("torch."), list(t.shape), seg, off]
 
 
-def tensor_of(doc: list[Any]) -> tuple[str, torch.dtype, tuple[int, ...], BufferAt | None]:
+def tensor_of(doc: list[Any]) -> tuple[str, str, tuple[int, ...], BufferAt | None]:
+    """``(name, dtype name, shape, place)`` of a :func:`tensor_doc` (None: empty)."""
     name, dtype, shape, seg, off = doc
-    dt = TORCH_DTYPES.get(str(dtype))
-    if dt is None:
+    if str(dtype) not in DTYPES:
         raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
     at = None if int(seg) < 0 else BufferAt(int(seg), int(off))
-    return str(name), dt, tuple(int(x) for x in shape), at
+    return str(name), str(dtype), tuple(int(x) for x in shape), at
 
 
 def pieces_doc(pieces: dict[str, dict[str, PieceMeta]]) -> dict[str, Any]:

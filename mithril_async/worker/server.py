@@ -45,6 +45,7 @@ from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import from_config
 from mithril_async.run_store import open_run_store
+from mithril_async.save.buffers import BufferSet
 from mithril_async.save.context import SaveContext
 from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
@@ -163,7 +164,8 @@ class WorkerServer:
                 keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
                 min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping),
             retention=None if args.get("keep_all") else from_config(cfg),
-            sharded_model=bool(args.get("sharded_model")))
+            sharded_model=bool(args.get("sharded_model")),
+            new_area=BufferSet)  # it only holds what the trainer staged
         steps = args.get("steps")  # None: the trainer had not listed them yet
         self.ctx.steps = set(steps if steps is not None
                              else self.loop.run(catalog.committed_steps()))
@@ -174,14 +176,12 @@ class WorkerServer:
         assert ctx is not None
         self.busy += 1
         try:
-            job = SaveJob(ctx, int(args["step"]), float(args["t0"]))
             items: dict[str, dict[str, Any]] = {}
             for name, item in args["items"].items():
                 tensors = {}
                 for doc in item["tensors"]:
                     tname, dtype, shape, at = tensor_of(doc)
-                    tensors[tname] = (self.segments.view(at, dtype, shape) if at is not None
-                                      else _empty(dtype, shape))
+                    tensors[tname] = self.segments.view(at, dtype, shape)
                 items[name] = {"skeleton": item["skeleton"], "area": int(item["area"]),
                                "tensors": tensors}
             overlap = _OverlapGate() if args.get("overlap") else None
@@ -189,10 +189,11 @@ class WorkerServer:
             if overlap is not None and self._early is not None:
                 await self._overlap_done(self._early)
             self._early = None
-            job.snap.adopt(HandedOff(items=items, json_states=args.get("json_states") or {},
-                                     rng=args.get("rng") or {},
-                                     pieces=pieces_of(args.get("pieces") or {})),
-                           overlap)
+            job = SaveJob(ctx, int(args["step"]), float(args["t0"]),
+                          HandedOff(items=items, json_states=args.get("json_states") or {},
+                                    rng=args.get("rng") or {},
+                                    pieces=pieces_of(args.get("pieces") or {})),
+                          overlap)
             res = SaveResult(job.step, stall_s=float(args.get("stall_s", 0.0)),
                              waited_s=float(args.get("waited_s", 0.0)))
             job.adopt_result(res, args.get("metrics") or {})
@@ -362,12 +363,6 @@ class ToTrainerLog(logging.Handler):
                                         "message": self.format(record)})
         except Exception:  # closed or broken: the trainer cannot log it any more
             self.fallback.handle(record)
-
-
-def _empty(dtype: Any, shape: tuple[int, ...]) -> Any:
-    import torch
-
-    return torch.empty(shape, dtype=dtype)
 
 
 def _parent_death_signal(signum: int) -> None:

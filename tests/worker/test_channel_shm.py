@@ -10,13 +10,15 @@ import socket
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from mithril_async.errors import ChecksumMismatch, NonFiniteState, WorkerExited
+from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import Channel, ChannelClosed, RemoteError
 from mithril_async.worker.handoff import error_doc, error_of
-from mithril_async.worker.shm import BufferAt, SegmentMap, SharedArena
+from mithril_async.worker.shm import BufferAt, SegmentMap
 
 
 def _pair(handler_a: Any, handler_b: Any, on_close_b: Any = None) -> tuple[Channel, Channel]:
@@ -100,14 +102,15 @@ def test_the_arena_hands_out_shared_buffers_another_mapping_sees() -> None:
     seen = SegmentMap()
     seen.add([(s, n) for s, _, n in segments], [os.dup(fd) for _, fd, _ in segments])
     small.copy_(torch.arange(30, dtype=torch.float32).reshape(10, 3))
-    view = seen.view(at_small, torch.float32, (10, 3))
-    assert torch.equal(view, small)
-    view[0, 0] = -1.0  # one memory, seen from both sides
+    view = seen.view(at_small, "float32", (10, 3))  # bytes, as the worker sees them
+    assert (view.dtype, view.shape) == ("float32", (10, 3))
+    assert view.data.tobytes() == small.numpy().tobytes()
+    view.data.view(np.float32)[0] = -1.0  # one memory, seen from both sides
     assert small[0, 0] == -1.0
     with pytest.raises(ValueError, match="never sent"):
-        seen.view(BufferAt(99, 0), torch.float32, (1,))
+        seen.view(BufferAt(99, 0), "float32", (1,))
     with pytest.raises(ValueError, match="does not fit"):
-        seen.view(BufferAt(at_small.segment, (1 << 20) - 4), torch.float32, (4,))
+        seen.view(BufferAt(at_small.segment, (1 << 20) - 4), "float32", (4,))
     with pytest.raises(ValueError, match="2 segments described, 1 descriptors"):
         seen.add([(1, 10), (2, 10)], [os.memfd_create("x")])
     arena.close()

@@ -17,8 +17,8 @@ import torch
 import mithril_async.manager as manager_module
 from mithril_async import CheckpointManager
 from mithril_async.config import config_from_dict
+from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import MAX_FDS
-from mithril_async.worker.shm import SharedArena
 from tests.worker._procs import gone
 
 #: tensors each one float over 16 segments of 4 KiB: each gets a segment of its own, however
