@@ -268,6 +268,7 @@ class CheckpointManager:
             return "inline"
         arena = SharedArena()
         self._ctx.new_area = functools.partial(StagingArea, alloc=arena.buffer)
+        self._ctx.ring_alloc = arena.buffer  # a streamed save's slots, filled here
         self._worker = WorkerClient(self._ctx, arena, run_id=self.run_id,
                                     runs_prefix=runs_prefix, sharded_model=sharded_model,
                                     keep_all=keep_all)
@@ -622,16 +623,12 @@ class CheckpointManager:
         if self.preemption is not None:
             self.preemption.submitted(job.step)
         handoff = None
-        if self._worker is not None and job.snap.stream is None:
+        if self._worker is not None:
             if self._worker.ready:
                 handoff = self._worker.expect_handoff()
             self._worker.start()  # a worker that died is replaced
             run = self._worker.run(job, dict(metrics or {}))
-        else:  # inline (a streamed save in worker mode too: its chains restart)
-            if self._worker is not None:
-                log.info('process = "worker": save of step %d runs in the training process '
-                         "(streamed under host_memory_mib)", job.step)
-                self._worker.reset_chains()
+        else:
             run = job.run()
         self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))
         return self._handle, handoff

@@ -195,8 +195,9 @@ def dtype_info(name: str, *, where: str = "tensor") -> DtypeInfo:
 def dtype_name(x: torch.Tensor | np.ndarray[Any, Any] | RawTensor | torch.dtype
                | np.dtype[Any], *, where: str = "tensor") -> str:
     """Stable name of the dtype of a tensor, array, :class:`RawTensor` or dtype object."""
-    if isinstance(x, RawTensor):
-        return x.dtype
+    named = getattr(x, "dtype", None)
+    if isinstance(named, str):  # a RawTensor, a streamed tensor: the stable name itself
+        return dtype_info(named, where=where).name
     torch = _torch_module()
     dt = x.dtype if isinstance(x, np.ndarray) or (
         torch is not None and isinstance(x, torch.Tensor)) else x

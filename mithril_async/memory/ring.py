@@ -4,7 +4,9 @@ A streamed save copies each chunk of a live tensor into a slot right before it i
 and gives the slot back once the chunk is encoded; a restore decodes a chunk into a slot and
 gives it back once the chunk reached its live tensor. The ring's size is what either holds of
 host memory, whatever the state's size. Slots are pinned when the other side is a CUDA device
-(:mod:`mithril_async.device`).
+(:mod:`mithril_async.device`). A checkpoint worker encoding a streamed save holds a ring over
+its trainer's slots in shared memory (:meth:`SlotRing.over`): the trainer copies each chunk
+into the slot the worker leased, the worker encodes it from there.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from mithril_async.device import host_buffer
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SlotLease", "SlotRing"]
 
@@ -31,11 +34,36 @@ class SlotRing:
     event loop; a :class:`SlotLease` may be released from any thread.
     """
 
-    def __init__(self, slots: int, slot_bytes: int, pin: bool = False) -> None:
+    def __init__(self, slots: int, slot_bytes: int, pin: bool = False,
+                 alloc: Callable[..., torch.Tensor] | None = None) -> None:
+        """``alloc(shape, dtype, pinned)``: where the slots are allocated (default
+        :func:`~mithril_async.device.host_buffer`; shared memory when a checkpoint worker
+        encodes)."""
+        import torch
+
+        from mithril_async.device import host_buffer
+
+        alloc = host_buffer if alloc is None else alloc
         self.slot_bytes = slot_bytes
         self.pinned = pin
-        self.buffers = [host_buffer(slot_bytes, torch.uint8, pin) for _ in range(slots)]
-        self.arrays = [b.numpy() for b in self.buffers]
+        self.buffers: list[torch.Tensor] = [alloc(slot_bytes, torch.uint8, pin)
+                                            for _ in range(slots)]
+        self._init(slot_bytes, [b.numpy() for b in self.buffers])
+
+    @classmethod
+    def over(cls, arrays: list[np.ndarray[Any, np.dtype[np.uint8]]], slot_bytes: int
+             ) -> SlotRing:
+        """A ring over slots another process allocated (views of them; no torch)."""
+        ring = cls.__new__(cls)
+        ring.buffers, ring.pinned = [], False
+        ring._init(slot_bytes, arrays)
+        return ring
+
+    def _init(self, slot_bytes: int, arrays: list[np.ndarray[Any, np.dtype[np.uint8]]]
+              ) -> None:
+        slots = len(arrays)
+        self.slot_bytes = slot_bytes
+        self.arrays = arrays
         self.events: list[Any] = [None] * slots
         self._free: deque[int] = deque(range(slots))
         self._waiting: tuple[deque[asyncio.Future[int]], deque[asyncio.Future[int]]] = (
@@ -44,7 +72,7 @@ class SlotRing:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_bytes * len(self.buffers)
+        return self.slot_bytes * len(self.arrays)
 
     @property
     def free(self) -> int:

@@ -75,6 +75,9 @@ class SaveContext:
     lossy_idle_warned: bool = False
     #: the slot ring of streamed saves (host_memory_mib), reused while its size fits
     ring: SlotRing | None = None
+    #: where that ring's slots are allocated (None: private host memory; shared memory when
+    #: a worker process encodes the chunks the trainer copies into them)
+    ring_alloc: Callable[..., Any] | None = None
     #: makes an item's staging buffer set: a trainer's copies the live state in
     #: (:func:`staging_area`, in shared memory when a worker process encodes); a checkpoint
     #: worker's only holds what its trainer staged (:class:`BufferSet`)

@@ -3,11 +3,13 @@ encode them against the previous version (:class:`EncodePlan`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from mithril_async.codec.dtypes import DTYPES
 from mithril_async.manifest import BaseRef
 from mithril_async.pipeline.blobs import TensorRef
 
@@ -43,19 +45,29 @@ class ChunkSource(Protocol):
 
 @dataclass
 class StreamedTensor:
-    """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot)."""
+    """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot).
+
+    A streamed item's ``tensors`` are these (their ``dtype`` is the stable name): the
+    encoder reads their chunks through :meth:`fetch`, never the tensor itself, which in a
+    checkpoint worker is in another process (``src`` is None there)."""
 
     snap: ChunkSource
     name: str
-    src: torch.Tensor  # plain and contiguous, on the CPU or a CUDA device
+    src: torch.Tensor | None  # plain and contiguous, on the CPU or a CUDA device
     later: bool  # an overlapped snapshot's optimizer-owned tensor (copied after save())
     dtype: str
     shape: tuple[int, ...]
     device: bool = False  # copied by the snapshot's device copier (CUDA), not on the CPU
 
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
     @property
     def nbytes(self) -> int:
-        return self.src.numel() * self.src.element_size()
+        return self.numel() * self.element_size()
 
     def fetch(self, lease: SlotLease, off: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return self.snap.fetch(lease, self, off, n)

@@ -37,6 +37,9 @@ class HandedOff:
     json_states: dict[str, Any] = field(default_factory=dict)
     rng: dict[str, Any] = field(default_factory=dict)
     pieces: dict[str, dict[str, PieceMeta]] = field(default_factory=dict)
+    #: a streamed save (host_memory_mib): the items' tensors are copied out chunk by chunk
+    #: by the process that took it, on request (``items`` then hold no tensors); None: staged
+    stream: Any = None
 
 
 class StateSnapshot:
@@ -72,8 +75,12 @@ class StateSnapshot:
         """Take a snapshot another process staged (nothing is copied): each item's tensors
         become the buffers of its chain's buffer set, so the next save's delta base is
         there. ``overlap``: what says when the trainer's overlapped copy into them is
-        complete (its ``finished()`` raises :class:`SnapshotTorn` when it was torn)."""
+        complete (its ``finished()`` raises :class:`SnapshotTorn` when it was torn). A
+        streamed snapshot's chunks are copied out on request by the process that took it."""
         ctx = self.ctx
+        if handed.stream is not None:
+            self._adopt_stream(handed)
+            return
         for name, item in handed.items.items():
             chain = ctx.chain(name)
             area, tensors = int(item["area"]), item["tensors"]
@@ -89,14 +96,33 @@ class StateSnapshot:
                                             for a in c.areas))
         ctx.memory.set_fixed("codec", ctx.encoder.budget.codec_scratch())
 
+    def _adopt_stream(self, handed: HandedOff) -> None:
+        """A streamed save is a keyframe with no staged copy: the chains restart (as they did
+        where it was taken), and the codec lanes follow the ring's slots."""
+        ctx, stream = self.ctx, handed.stream
+        for chain in ctx.chains.values():
+            chain.release()
+            chain.reset()
+        for name, item in handed.items.items():
+            ctx.chain(name)
+            self.areas[name] = 0
+            self.skeletons[name] = item["skeleton"]
+        self.json_states, self.rng = handed.json_states, handed.rng
+        self.pieces = handed.pieces
+        self.stream = stream
+        lanes = len(stream.ring.arrays)
+        ctx.encoder.lanes(lanes)
+        ctx.memory.set_fixed("staging", 0)
+        ctx.memory.set_fixed("ring", stream.ring.nbytes)
+        ctx.memory.set_fixed("codec", ctx.encoder.budget.codec_scratch(lanes))
+
     def items(self) -> list[StagedItem]:
         """What the encoder gets: the staged copies, or the live tensors to copy out."""
         if self.stream is None:
             return [StagedItem(name, self.skeletons[name], snap.tensors, self.areas[name])
                     for name, snap in self.staged.items()]
         stream = self.stream
-        return [StagedItem(name, self.skeletons[name],
-                           {n: t.src for n, t in stream.tensors.get(name, {}).items()},
+        return [StagedItem(name, self.skeletons[name], stream.tensors.get(name, {}),
                            0, stream.tensors.get(name, {}), stream.ring)
                 for name in self.skeletons]
 

@@ -92,6 +92,7 @@ class StreamSnapshot:
         if off < 0 or n < 0 or off + n > t.nbytes or n > lease.ring.slot_bytes:
             raise ValueError(f"{t.name}: chunk [{off}, {off + n}) outside the tensor or slot")
         dst = lease.tensor[:n]
+        assert t.src is not None, "a tensor of this process"
         if t.device:  # device-to-host on the side stream, behind the slot's own event
             ring, i = lease.ring, lease.index
             assert self.copier is not None

@@ -27,7 +27,7 @@ import torch
 
 from mithril_async.device import pinning
 from mithril_async.distributed import pieces_of, to_local
-from mithril_async.errors import ConfigError, HostMemoryExceeded
+from mithril_async.errors import HostMemoryExceeded
 from mithril_async.memory.budget import mib
 from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.lossy import lossy_roles
@@ -127,14 +127,6 @@ class TrainerSnapshot(StateSnapshot):
         """Hand the live tensors to the encoder through the slot ring (see module doc)."""
         ctx, memory = self.ctx, self.ctx.memory
         assert memory.limit is not None
-        pipe = ctx.config.checkpointing.pipeline
-        if pipe.worker_required:  # a streamed save would run inline: refused, not hidden
-            raise ConfigError(
-                'checkpointing.pipeline.process = "worker" is set, but this state does not '
-                f"fit checkpointing.pipeline.host_memory_mib = {pipe.host_memory_mib} staged, "
-                "and a save streamed under it runs in the training process; raise "
-                'host_memory_mib, set process = "inline", or leave the key out; nothing was '
-                "saved")
         if ctx.lossy is not None:
             raise HostMemoryExceeded(
                 "[checkpointing.lossy] keeps a reconstruction of the state's weights and "
@@ -203,7 +195,7 @@ class TrainerSnapshot(StateSnapshot):
                 or ring.pinned != pin:
             ctx.ring = None
             ctx.memory.set_fixed("ring", 0)
-            ring = ctx.ring = SlotRing(lanes, chunk, pin)
+            ring = ctx.ring = SlotRing(lanes, chunk, pin, alloc=ctx.ring_alloc)
             ctx.memory.set_fixed("ring", ring.nbytes)
         return ring
 

@@ -48,9 +48,11 @@ from typing import Any
 
 from mithril_async.config import Config
 from mithril_async.errors import WorkerExited
+from mithril_async.memory.ring import SlotLease
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
+from mithril_async.save.stream import StreamSnapshot
 from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import MAX_FDS, Channel, ChannelClosed
 from mithril_async.worker.handoff import (
@@ -116,6 +118,8 @@ class WorkerClient:
         self._released.set_result(None)
         #: saves handed to run() and not yet answered
         self._running = 0
+        #: the save being handed over, and its streamed snapshot (None: staged)
+        self._streaming: tuple[int, StreamSnapshot | None] | None = None
         _clients.add(self)
 
     @property
@@ -274,6 +278,7 @@ class WorkerClient:
             return await self._run(job, res, metrics)
         finally:
             self._running -= 1
+            self._streaming = None  # the worker's copy-out requests are answered no more
             self._handed_over()
             job.snap.close()
 
@@ -288,6 +293,7 @@ class WorkerClient:
                 await asyncio.wrap_future(channel.call("reset_chains"))
                 self._reset_pending = False
             self._send_segments(channel)
+            self._streaming = (job.step, job.snap.stream)
             reply = self._hold(channel.call("save", self._describe(job, res, metrics)))
             self._handed_over()
             try:
@@ -380,6 +386,16 @@ class WorkerClient:
                   ) -> dict[str, Any]:
         snap = job.snap
         items: dict[str, Any] = {}
+        stream = None
+        if snap.stream is not None:  # streamed: the worker asks for each chunk ("fetch")
+            ring = snap.stream.ring
+            slots = [self._place(f"slot {i} of the stream ring", b)
+                     for i, b in enumerate(ring.buffers)]
+            stream = {"slot_bytes": ring.slot_bytes, "slots": slots}
+            for name in snap.skeletons:
+                items[name] = {"skeleton": snap.skeletons[name], "area": 0, "tensors": [],
+                               "stream": [[tname, t.dtype, list(t.shape), t.later] for tname, t
+                                          in snap.stream.tensors.get(name, {}).items()]}
         for name, staged in snap.staged.items():
             tensors = []
             for tname, t in staged.tensors.items():
@@ -392,7 +408,32 @@ class WorkerClient:
         return {"step": job.step, "t0": job.t0, "stall_s": res.stall_s,
                 "waited_s": res.waited_s, "metrics": metrics, "items": items,
                 "json_states": snap.json_states, "rng": snap.rng,
-                "pieces": pieces_doc(snap.pieces), "overlap": snap.overlap is not None}
+                "pieces": pieces_doc(snap.pieces), "overlap": snap.overlap is not None,
+                "stream": stream}
+
+    def _place(self, what: str, buffer: Any) -> list[int]:
+        at = self.arena.locate(buffer)
+        if at is None:
+            raise RuntimeError(f"{what}: allocated outside the shared memory")
+        return [at.segment, at.offset]
+
+    def _fetch(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The worker encodes a streamed save: copy one chunk of a live tensor into the ring
+        slot it leased (the copy-out inline saves run on their codec threads). An error
+        (the snapshot torn by an in-place change, a save no longer streaming here) is
+        answered with its type, and fails the save there."""
+        try:
+            current = self._streaming
+            step = int(args["step"])
+            if current is None or current[0] != step or current[1] is None:
+                raise RuntimeError(f"no streamed save of step {step} is in progress")
+            stream = current[1]
+            t = stream.tensors[str(args["item"])][str(args["tensor"])]
+            stream.fetch(SlotLease(stream.ring, int(args["slot"])), t, int(args["offset"]),
+                         int(args["n"]))
+            return {}
+        except Exception as err:
+            return {"error": error_doc(err)}
 
     def _died(self, res: SaveResult, t0: float) -> WorkerExited:
         proc = self.proc
@@ -415,9 +456,11 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ its requests
     def _handle(self, method: str, args: dict[str, Any], fds: list[int]
-                ) -> concurrent.futures.Future[Any] | None:
+                ) -> concurrent.futures.Future[Any] | dict[str, Any] | None:
         for fd in fds:
             os.close(fd)
+        if method == "fetch":
+            return self._fetch(args)
         if method == "log":  # a record of the worker's, logged here (worker/server.py)
             logging.getLogger(str(args.get("name") or "mithril_async")).log(
                 int(args.get("level") or logging.WARNING), "%s", args.get("message"))
@@ -429,8 +472,8 @@ class WorkerClient:
 
 def worker_unsupported(config: Config) -> str | None:
     """Why saves of this configuration cannot run in a worker (None: they can), naming the
-    key or platform feature at fault. (A save streamed under ``host_memory_mib`` is decided
-    per save, by the snapshot; objects passed to the manager, by the manager.)"""
+    key or platform feature at fault. (Objects passed to the manager are decided by the
+    manager.)"""
     cfg = config.checkpointing
     if not hasattr(os, "memfd_create"):
         return "this platform has no memfd_create (the staged snapshot's shared memory)"

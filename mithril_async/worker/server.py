@@ -39,6 +39,7 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config
 from mithril_async.errors import TrainerExited
 from mithril_async.layout import RunLayout
+from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.pool import CodecPool
@@ -61,8 +62,9 @@ from mithril_async.worker.handoff import (
     tensor_of,
 )
 from mithril_async.worker.peers import PeerCoordinator, save_scope
-from mithril_async.worker.shm import SegmentMap
+from mithril_async.worker.shm import BufferAt, SegmentMap
 from mithril_async.worker.signals import JOB_SIGNALS
+from mithril_async.worker.streamed import RemoteStream
 
 __all__ = ["WorkerServer", "serve"]
 
@@ -176,8 +178,14 @@ class WorkerServer:
         assert ctx is not None
         self.busy += 1
         try:
+            step = int(args["step"])
+            stream = self._stream(step, args["stream"]) if args.get("stream") else None
             items: dict[str, dict[str, Any]] = {}
             for name, item in args["items"].items():
+                if stream is not None:
+                    for tname, dtype, shape, later in item.get("stream") or ():
+                        stream.add(name, str(tname), str(dtype),
+                                   tuple(int(s) for s in shape), bool(later))
                 tensors = {}
                 for doc in item["tensors"]:
                     tname, dtype, shape, at = tensor_of(doc)
@@ -189,10 +197,11 @@ class WorkerServer:
             if overlap is not None and self._early is not None:
                 await self._overlap_done(self._early)
             self._early = None
-            job = SaveJob(ctx, int(args["step"]), float(args["t0"]),
+            job = SaveJob(ctx, step, float(args["t0"]),
                           HandedOff(items=items, json_states=args.get("json_states") or {},
                                     rng=args.get("rng") or {},
-                                    pieces=pieces_of(args.get("pieces") or {})),
+                                    pieces=pieces_of(args.get("pieces") or {}),
+                                    stream=stream),
                           overlap)
             res = SaveResult(job.step, stall_s=float(args.get("stall_s", 0.0)),
                              waited_s=float(args.get("waited_s", 0.0)))
@@ -215,6 +224,15 @@ class WorkerServer:
             self._job = None
             if self.gone.is_set():
                 self._exit_soon()
+
+    def _stream(self, step: int, doc: dict[str, Any]) -> RemoteStream:
+        """The streamed save's ring, over the trainer's slots (mapped like its staging)."""
+        size = int(doc["slot_bytes"])
+        slots = [self.segments.view(BufferAt(int(seg), int(off)), "uint8", (size,)).data
+                 for seg, off in doc["slots"]]
+        for slot in slots:
+            slot.flags.writeable = False  # the trainer writes them, the encoder only reads
+        return RemoteStream(step, SlotRing.over(slots, size), self.channel.call)
 
     def _answer(self, res: SaveResult, *, error: BaseException | None = None,
                 cancelled: bool = False) -> dict[str, Any]:

@@ -33,13 +33,18 @@ from mithril_async.save.overlap import StreamCopy
 from mithril_async.save.stream import StreamSnapshot
 
 MiB = 1 << 20
+#: streamed saves encoded in the training process, and by a checkpoint worker from the ring
+#: slots the trainer copies each chunk into
+PROCESSES = pytest.mark.parametrize("process", ["inline", "worker"])
 SCRIPT = Path(__file__).with_name("_budget_rss_script.py")
 
 
-def _cfg(tmp_path: Path, budget: int | None, extra: str = "", pipe: str = "") -> Config:
+def _cfg(tmp_path: Path, budget: int | None, extra: str = "", pipe: str = "",
+         process: str = "inline") -> Config:
+    """``process = "worker"``: the checkpoint worker encodes what the trainer copies out."""
     text = (f'[checkpointing]\nruns_path = "{tmp_path}/runs"\nrun_id = "r"\n'
             "[checkpointing.compression]\nthreads = 2\n" + extra
-            + "[checkpointing.pipeline]\n" + pipe
+            + f'[checkpointing.pipeline]\nprocess = "{process}"\n' + pipe
             + ("" if budget is None else f"host_memory_mib = {budget}\n"))
     return parse_config(text)
 
@@ -75,12 +80,14 @@ def test_budget_below_the_minimum_is_a_config_error(tmp_path: Path) -> None:
     assert _cfg(tmp_path, 28).checkpointing.pipeline.host_memory_mib == 28
 
 
+@PROCESSES
 def test_a_state_bigger_than_the_budget_streams_and_restores_exactly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, process: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _peak_recorder(monkeypatch)
     live = _state(48)  # 48 MiB through a 32 MiB budget
     want = {k: v.clone() for k, v in live.tensors.items()}
-    with CheckpointManager(_cfg(tmp_path, 32), {"model": live}) as m:
+    with CheckpointManager(_cfg(tmp_path, 32, process=process), {"model": live}) as m:
+        assert m.process == process
         res = m.save_nowait(1).result()
         assert res.streamed and res.status == "committed"
         assert 0 < res.host_peak_bytes <= 32 * MiB
@@ -107,11 +114,14 @@ def test_streamed_blob_is_byte_identical_to_the_staged_one(tmp_path: Path) -> No
     assert blobs[0] == blobs[1]
 
 
-def test_uncompressed_state_streams_as_safetensors(tmp_path: Path) -> None:
+@PROCESSES
+def test_uncompressed_state_streams_as_safetensors(tmp_path: Path, process: str) -> None:
     import safetensors.torch
 
     live = _state(40)
-    with CheckpointManager(_cfg(tmp_path, 32, extra="enabled = false\n"), {"model": live}) as m:
+    cfg = _cfg(tmp_path, 32, extra="enabled = false\n", process=process)
+    with CheckpointManager(cfg, {"model": live}) as m:
+        assert m.process == process
         res = m.save_nowait(1).result()
         assert res.streamed and res.host_peak_bytes <= 32 * MiB
     loaded = safetensors.torch.load_file(tmp_path / "runs/r/versions/v000001/model.safetensors")
@@ -131,9 +141,12 @@ def test_budget_that_fits_keeps_the_staged_path(tmp_path: Path) -> None:
     assert not unl.streamed and abs(unl.host_peak_bytes - res.host_peak_bytes) < 64 << 10
 
 
-def test_delta_chains_under_a_budget_fall_back_to_keyframes(tmp_path: Path) -> None:
+@PROCESSES
+def test_delta_chains_under_a_budget_fall_back_to_keyframes(tmp_path: Path, process: str
+                                                            ) -> None:
     live = _state(24)
-    cfg = _cfg(tmp_path, 40, extra="delta = true\n")  # 2 x 24 MiB of bases would not fit
+    # 2 x 24 MiB of bases would not fit
+    cfg = _cfg(tmp_path, 40, extra="delta = true\n", process=process)
     with CheckpointManager(cfg, {"model": live}) as m:
         for step in (1, 2):
             live.tensors["l0.b"].add_(1)
@@ -187,8 +200,9 @@ def _train(model: _Net, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+@PROCESSES
 def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, process: str, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -224,7 +238,8 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
             delattr(fut, "done")
 
     monkeypatch.setattr(StreamCopy, "before_step", before_step)
-    cfg = _cfg(tmp_path, 32, pipe='snapshot = "overlapped"\n')  # state: ~19 MiB x 2 items
+    # state: ~19 MiB x 2 items
+    cfg = _cfg(tmp_path, 32, pipe='snapshot = "overlapped"\n', process=process)
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
         expected = {"model": copy.deepcopy(model.state_dict()),
                     "optimizer": copy.deepcopy(opt.state_dict())}
@@ -257,12 +272,14 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
         assert torch.equal(st["exp_avg"], expected["optimizer"]["state"][0]["exp_avg"])
 
 
-def test_overlapped_under_budget_torn_change_fails_the_save_only(tmp_path: Path) -> None:
+@PROCESSES
+def test_overlapped_under_budget_torn_change_fails_the_save_only(tmp_path: Path, process: str
+                                                                 ) -> None:
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
-    cfg = _cfg(tmp_path, 32, pipe='snapshot = "overlapped"\n')
+    cfg = _cfg(tmp_path, 32, pipe='snapshot = "overlapped"\n', process=process)
     gate = threading.Event()
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
         m.save_nowait(1).result()
