@@ -50,6 +50,7 @@ __all__ = [
     "DTYPES",
     "DtypeInfo",
     "RawTensor",
+    "as_torch",
     "dtype_info",
     "dtype_name",
     "tensor_bytes",
@@ -257,6 +258,14 @@ def tensor_bytes(x: torch.Tensor | np.ndarray[Any, Any] | RawTensor, *, where: s
     arr = arr.view()
     arr.flags.writeable = False
     return arr, name, shape
+
+
+def as_torch(x: Any, *, where: str = "tensor") -> Any:
+    """``x`` as a torch tensor: a :class:`RawTensor` viewed as one (over the same bytes,
+    when they are writable), anything else as it is."""
+    if isinstance(x, RawTensor):
+        return tensor_from_bytes(x.data, x.dtype, x.shape, where=where)
+    return x
 
 
 def tensor_from_bytes(buf: np.ndarray[Any, Any] | bytes | bytearray | memoryview,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import xxhash
 
+from mithril_async.codec.dtypes import as_torch
 from mithril_async.config import LossyConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious
 from mithril_async.lossy.lossy_delta import (
@@ -136,12 +137,13 @@ class LossyTrack:
         rest: list[StagedItem] = []
         for item in items:
             keep: dict[str, torch.Tensor] = {}
-            for name, t in item.tensors.items():
+            for name, staged in item.tensors.items():
                 full = f"{item.name}/{name}"
+                t = as_torch(staged, where=full)
                 if self.eligible(full, t, roles):
                     lossy[full] = t
                 else:
-                    keep[name] = t
+                    keep[name] = staged
             rest.append(StagedItem(item.name, item.skeleton, keep, item.area_idx))
         return lossy, rest
 

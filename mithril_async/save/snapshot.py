@@ -40,6 +40,8 @@ class HandedOff:
     #: a streamed save (host_memory_mib): the items' tensors are copied out chunk by chunk
     #: by the process that took it, on request (``items`` then hold no tensors); None: staged
     stream: Any = None
+    #: the lossy tier's roles of the tensors (``"<item>/<tensor>"`` -> group, role)
+    roles: dict[str, Any] = field(default_factory=dict)
 
 
 class StateSnapshot:
@@ -78,6 +80,7 @@ class StateSnapshot:
         complete (its ``finished()`` raises :class:`SnapshotTorn` when it was torn). A
         streamed snapshot's chunks are copied out on request by the process that took it."""
         ctx = self.ctx
+        self.roles = {name: (str(r[0]), r[1]) for name, r in handed.roles.items()}
         if handed.stream is not None:
             self._adopt_stream(handed)
             return

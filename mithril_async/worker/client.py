@@ -409,6 +409,7 @@ class WorkerClient:
                 "waited_s": res.waited_s, "metrics": metrics, "items": items,
                 "json_states": snap.json_states, "rng": snap.rng,
                 "pieces": pieces_doc(snap.pieces), "overlap": snap.overlap is not None,
+                "roles": snap.roles,
                 "stream": stream}
 
     def _place(self, what: str, buffer: Any) -> list[int]:
@@ -477,9 +478,6 @@ def worker_unsupported(config: Config) -> str | None:
     cfg = config.checkpointing
     if not hasattr(os, "memfd_create"):
         return "this platform has no memfd_create (the staged snapshot's shared memory)"
-    if cfg.lossy.enabled:
-        return ("the lossy tier (checkpointing.lossy.enabled) keeps its reconstruction in "
-                "the training process")
     if cfg.tiers is not None:
         return "tiers ([checkpointing.tiers]) replicate over the training process's groups"
     return None

@@ -168,6 +168,10 @@ class WorkerServer:
             retention=None if args.get("keep_all") else from_config(cfg),
             sharded_model=bool(args.get("sharded_model")),
             new_area=BufferSet)  # it only holds what the trainer staged
+        if cfg.lossy.enabled:  # torch is imported for it: the lossy coder works on tensors
+            from mithril_async.pipeline.lossy import LossyTrack
+
+            self.ctx.lossy = LossyTrack(cfg.lossy)
         steps = args.get("steps")  # None: the trainer had not listed them yet
         self.ctx.steps = set(steps if steps is not None
                              else self.loop.run(catalog.committed_steps()))
@@ -201,7 +205,7 @@ class WorkerServer:
                           HandedOff(items=items, json_states=args.get("json_states") or {},
                                     rng=args.get("rng") or {},
                                     pieces=pieces_of(args.get("pieces") or {}),
-                                    stream=stream),
+                                    stream=stream, roles=args.get("roles") or {}),
                           overlap)
             res = SaveResult(job.step, stall_s=float(args.get("stall_s", 0.0)),
                              waited_s=float(args.get("waited_s", 0.0)))
@@ -274,6 +278,8 @@ class WorkerServer:
         assert self.ctx is not None
         for chain in self.ctx.chains.values():
             chain.reset()
+        if self.ctx.lossy is not None:
+            self.ctx.lossy.reset()  # nor is the lossy chain's reconstruction the live state
         return True
 
     # ------------------------------------------------------------------ ending

@@ -44,12 +44,15 @@ def _manifest(tmp_path: Path, vid: str) -> dict[str, Any]:
                       .read_text())
 
 
-def _save(cfg: Config, n: int, store: Any = None) -> tuple[list[dict[str, Any]], Any]:
-    """Train and save ``n`` versions; return the true states and the live objects."""
+def _save(cfg: Config, n: int, store: Any = None, process: str | None = None
+          ) -> tuple[list[dict[str, Any]], Any]:
+    """Train and save ``n`` versions; return the true states and the live objects
+    (``process``: where the saves must run)."""
     model, opt, batcher = make_state()
     snaps = []
     kw = {"store": store} if store is not None else {}
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}, **kw) as m:
+        assert process is None or m.process == process
         for step in range(1, n + 1):
             train_step(model, opt, batcher)
             before = {"model": copy.deepcopy(model.state_dict()),
@@ -87,10 +90,13 @@ def _check_bounds(truth: dict[str, Any], model: torch.nn.Module,
     assert lossy_seen  # the lossy tier was really applied
 
 
+@pytest.mark.parametrize("process", ["inline", "worker"])
 def test_lossy_versions_restore_within_bounds(make_config: ConfigFactory,
-                                              tmp_path: Path) -> None:
-    cfg = make_config(LOSSY)
-    snaps, (model, opt) = _save(cfg, 6)
+                                              make_worker_config: ConfigFactory,
+                                              tmp_path: Path, process: str) -> None:
+    """Encoded in the training process or by the checkpoint worker, the same chain."""
+    cfg = (make_worker_config if process == "worker" else make_config)(LOSSY)
+    snaps, (model, opt) = _save(cfg, 6, process=process)
     mans = [_manifest(tmp_path, f"v{i:06d}") for i in range(1, 7)]
     assert all(m["has_quantization"] is True for m in mans)
     assert [m["lossy"]["keyframe"] for m in mans] == [True, False, False, False, True, False]

@@ -193,8 +193,7 @@ def test_the_process_setting_is_checked_and_what_a_worker_cannot_serve_runs_inli
     lossy = config_from_dict({"checkpointing": {
         "runs_path": str(tmp_path / "l"), "lossy": {"enabled": True}}})
     with CheckpointManager(lossy, {"model": model}) as mgr:
-        assert mgr.process == "inline"
-    assert "checkpointing.lossy.enabled" in caplog.text
+        assert mgr.process == "worker"  # the worker runs the lossy coder too
     streamed = config_from_dict({"checkpointing": {
         "runs_path": str(tmp_path / "s"), "run_id": "s", **_STREAMED}})
     with CheckpointManager(streamed, {"model": _big_state()}) as mgr:
@@ -230,7 +229,6 @@ def test_an_explicit_worker_refuses_what_a_worker_cannot_serve(tmp_path: Path) -
     threads = {t.ident for t in threading.enumerate()}
     model = make_model()
     refused = [
-        (cfg(lossy={"enabled": True}), {}, "checkpointing.lossy.enabled"),
         (cfg(tiers={"local": str(tmp_path / "node")}), {}, r"\[checkpointing.tiers\]"),
         (cfg(), {"store": LocalStore(tmp_path), "runs_prefix": "runs"}, "a store"),
         (cfg(), {"retention": KeepLastN(2)}, "a retention policy"),
