@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mithril_async.errors import MithrilError
+from mithril_async.worker.typed_errors import RemoteError, error_doc, error_of
 
 __all__ = ["Channel", "ChannelClosed", "MAX_FDS", "MAX_FRAME", "RemoteError"]
 
@@ -41,15 +42,6 @@ MAX_FDS = 64
 
 class ChannelClosed(MithrilError, ConnectionError):
     """The other process closed the channel (exited, was killed, or closed it)."""
-
-
-class RemoteError(MithrilError, RuntimeError):
-    """A call failed in the other process; ``kind`` names its exception type there."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-        self.message = message
 
 
 #: ``handler(method, args, fds) -> result``: answers the peer's calls, on the reader thread
@@ -107,8 +99,9 @@ class Channel:
 
     def call(self, method: str, args: dict[str, Any] | None = None,
              fds: list[int] | None = None) -> concurrent.futures.Future[Any]:
-        """Ask the peer to run ``method``; the future holds its answer, a
-        :class:`RemoteError`, or :class:`ChannelClosed`."""
+        """Ask the peer to run ``method``; the future holds its answer, the error it
+        failed with there (:mod:`~mithril_async.worker.typed_errors`), or
+        :class:`ChannelClosed`."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = next(self._ids)
         with self._lock:
@@ -137,8 +130,7 @@ class Channel:
             if exc is None:
                 self._send({"reply": call_id, "ok": True, "value": fut.result()})
             else:
-                self._send({"reply": call_id, "ok": False, "kind": type(exc).__name__,
-                            "message": str(exc)})
+                self._send({"reply": call_id, "ok": False, "error": error_doc(exc)})
         except ChannelClosed:
             pass
         except Exception:  # an answer that cannot be sent is the peer's loss; say so here
@@ -205,7 +197,9 @@ class Channel:
         if msg.get("ok"):
             fut.set_result(msg.get("value"))
         else:
-            fut.set_exception(RemoteError(str(msg.get("kind")), str(msg.get("message"))))
+            doc = msg.get("error")
+            fut.set_exception(error_of(doc) if isinstance(doc, dict)
+                              else RemoteError("unknown", "the peer's answer named no error"))
 
     def _refuse(self, msg: dict[str, Any]) -> None:
         """A message that carried more descriptors than ``MAX_FDS`` (all closed by now): a

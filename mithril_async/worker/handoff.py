@@ -10,16 +10,15 @@ the worker is raised in the trainer as the same error it is inline.
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from mithril_async import errors
 from mithril_async.codec.dtypes import DTYPES
 from mithril_async.config import Config
 from mithril_async.manifest import PieceMeta
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.worker.shm import BufferAt
+from mithril_async.worker.typed_errors import error_doc, error_of
 
 if TYPE_CHECKING:
     import torch
@@ -83,43 +82,3 @@ def update_result(res: SaveResult, doc: dict[str, Any]) -> None:
             setattr(res, k, doc[k])
     if "nonfinite" in doc:  # JSON made the (NaNs, Infs) pairs lists
         res.nonfinite = {name: (int(c[0]), int(c[1])) for name, c in doc["nonfinite"].items()}
-
-
-def _details(cls: type[BaseException]) -> tuple[str, ...]:
-    """The attributes of the library's errors that carry more than the message (all plain
-    JSON), kept across the channel."""
-    if issubclass(cls, errors.ChecksumMismatch):
-        return ("where", "expected", "actual")
-    if issubclass(cls, errors.NonFiniteState):
-        return ("tensors",)  # name -> (NaNs, Infs)
-    return ()
-
-
-def error_doc(err: BaseException) -> dict[str, Any]:
-    return {"kind": type(err).__name__, "message": str(err),
-            "errno": getattr(err, "errno", None),
-            "details": {name: getattr(err, name) for name in _details(type(err))}}
-
-
-def error_of(doc: dict[str, Any]) -> BaseException:
-    """The error a peer reported, as the same class where it is the library's or a
-    builtin exception (else a :class:`~mithril_async.errors.MithrilError` naming it)."""
-    kind, message = str(doc.get("kind")), str(doc.get("message"))
-    cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        return errors.MithrilError(f"{kind}: {message}")
-    err = cls.__new__(cls)
-    Exception.__init__(err, message)
-    if doc.get("errno") is not None and isinstance(err, OSError):
-        err.errno = int(doc["errno"])
-    details = doc.get("details")
-    details = details if isinstance(details, dict) else {}
-    for name in _details(cls):
-        value = details.get(name)
-        if name == "tensors":  # JSON made the (NaNs, Infs) pairs lists
-            value = {str(k): (v[0], v[1]) for k, v in (
-                value.items() if isinstance(value, dict) else ())
-                if isinstance(v, list | tuple) and len(v) == 2
-                and all(type(n) is int for n in v)}
-        setattr(err, name, value)
-    return err
