@@ -51,7 +51,6 @@ from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.listeners import Listener, ResultListeners
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
-from mithril_async.pipeline.lossy import LossyTrack
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.preemption import Preemption
@@ -60,11 +59,9 @@ from mithril_async.restore.targets import live_targets, loaded_in_place
 from mithril_async.retention import Policy, from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
-from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
 from mithril_async.save.overlap import StepGuard, optimizers_in
 from mithril_async.save.staging import StagingArea
-from mithril_async.save.writers import BlobEncoder
 from mithril_async.state import (
     JsonStateful,
     Stateful,
@@ -177,22 +174,11 @@ class CheckpointManager:
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         self._pool = CodecPool(threads, "mithril-codec", initializer=lower_priority,
                                initargs=(cfg.pipeline.background_nice,))
-        encoder = BlobEncoder(cfg.compression, cfg.pipeline, self._pool)
-        comp = cfg.compression
-        chain_policy = ChainPolicy(
-            delta=comp.delta and comp.enabled,
-            dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
-            keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
-            min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping)
         #: what every save shares; each save itself is a SaveJob
-        self._ctx = SaveContext(
-            config=self.config, state=self.state, store=self.store, layout=self.layout,
-            catalog=self.catalog, coordinator=self.coordinator, pool=self._pool,
-            encoder=encoder, chain_policy=chain_policy,
-            retention=from_config(cfg) if retention is _UNSET else retention,
-            sharded_model=sharded_model,
-            lossy=LossyTrack(cfg.lossy) if cfg.lossy.enabled else None,
-            on_save=self._results.inline)
+        self._ctx = SaveContext.for_run(
+            self.config, self.state, self.store, self.layout, self.catalog, self.coordinator,
+            self._pool, retention=from_config(cfg) if retention is _UNSET else retention,
+            sharded_model=sharded_model, on_save=self._results.inline)
         #: what outlives this manager unless released, and its release if the manager is
         #: garbage-collected without close()
         self._owned = _Owned(self._pool, self._results)

@@ -135,18 +135,10 @@ def compress_state_dict(
         job: list[tuple[int, int]] = []
         batch_bytes = 0
         for name, value in state_dict.items():
-            raw, dname, shape = tensor_bytes(value, where=name)
-            base: U8 | None = None
-            if previous is not None and name in previous:
-                b, bname, bshape = tensor_bytes(previous[name], where=f"previous {name}")
-                if bname == dname and bshape == shape and b.size:
-                    base = b
-            extra = {"numpy": True} if isinstance(value, np.ndarray) else None
             ti = len(entries)
-            entries.append(TensorEntry.make(
-                name, dname, shape, p.chunk_bytes,
-                xxhash.xxh64_intdigest(base.data) if base is not None else None, extra))
-            views.append((raw, base, dname))
+            entry, view = _tensor_entry(name, value, previous, p)
+            entries.append(entry)
+            views.append(view)
             for ci, (_, ln) in enumerate(entries[ti].chunks):
                 if job and (ln > BATCH_CHUNK_BYTES
                             or batch_bytes + ln > 16 * BATCH_CHUNK_BYTES):
@@ -165,6 +157,23 @@ def compress_state_dict(
     finally:
         coder.close()
 
+
+
+def _tensor_entry(name: str, value: Tensorish, previous: Mapping[str, Tensorish] | None,
+                  p: CodecParams) -> tuple[TensorEntry, tuple[U8, U8 | None, str]]:
+    """One tensor's index entry and ``(bytes, delta base's bytes or None, dtype name)``: the
+    base is ``previous[name]`` where it has the same dtype and shape."""
+    raw, dname, shape = tensor_bytes(value, where=name)
+    base: U8 | None = None
+    if previous is not None and name in previous:
+        b, bname, bshape = tensor_bytes(previous[name], where=f"previous {name}")
+        if bname == dname and bshape == shape and b.size:
+            base = b
+    extra = {"numpy": True} if isinstance(value, np.ndarray) else None
+    entry = TensorEntry.make(name, dname, shape, p.chunk_bytes,
+                             xxhash.xxh64_intdigest(base.data) if base is not None else None,
+                             extra)
+    return entry, (raw, base, dname)
 
 class _Coder:
     """Runs ``work(job)`` for each submitted job and ``sink(job, result)`` for each, in

@@ -76,55 +76,13 @@ async def decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Blo
     window, depth = window_plan(budget, pool_threads(pool), read_concurrency(store))
     windows = group_windows(sorted(blocks, key=lambda r: r.offset), window)
     slots = asyncio.Semaphore(depth)  # windows read and not yet decoded: the memory bound
-    once = threading.Lock()
-    fired = [False]
-    #: staged blocks being decoded -> their leased buffer (set and read on one pool thread)
-    staged_dest: dict[tuple[int, int], np.ndarray] = {}
-
-    def work(b: BlockRef, mv: memoryview, base: int) -> None:
-        try:
-            meta, payload = block_from_bytes(mv[b.offset - base:b.offset - base + b.length],
-                                             b, info, verify_payload=True)
-        except ChecksumMismatch as err:  # name the blob: the block's own message cannot
-            raise ChecksumMismatch(f"{key}: {err.where}", err.expected, err.actual) from None
-        except InvalidFormat as err:
-            raise type(err)(f"{key}: {err}") from None
-        if not fired[0]:  # the first block verified: the first write is about to happen
-            with once:
-                if not fired[0]:
-                    started()
-                    fired[0] = True
-        out = staged_dest.get((b.tensor, b.chunk))
-        into = dest(b) if out is None else out
-        decode_chunk(payload, meta, None, into,
-                     where=f"{key}: {info.block_name(b.tensor, b.chunk)}",
-                     verify_payload=False)
-        if after is not None:
-            after(b, into)
-
-    def work_staged(b: BlockRef, mv: memoryview, base: int, lease: Any) -> None:
-        assert ring is not None
-        ln = info.tensors[b.tensor].chunks[b.chunk][1]
-        staged_dest[(b.tensor, b.chunk)] = lease.array[:ln]
-        try:
-            work(b, mv, base)
-        finally:
-            del staged_dest[(b.tensor, b.chunk)]
-        ring.finish(b, lease)
-
-    async def staged_block(b: BlockRef, mv: memoryview, base: int) -> None:
-        assert ring is not None
-        lease = await ring.lease()
-        try:  # settled: the work has finished (or never started) when this returns
-            await settled(pool, [(work_staged, (b, mv, base, lease))])
-        finally:
-            ring.release(lease)
+    dec = _BlockDecoder(key, info, dest, started, ring, after)
 
     def read_and_decode(reader: RangeReader, span: tuple[int, int],
                         wblocks: list[BlockRef]) -> None:
         mv = checked_read(key, span, reader.read(*span))
         for b in wblocks:
-            work(b, mv, span[0])
+            dec.work(b, mv, span[0])
 
     async def on_pool(reader: RangeReader, span: tuple[int, int],
                       wblocks: list[BlockRef]) -> None:
@@ -146,14 +104,72 @@ async def decode_blocks(store: Store, key: str, info: MckpInfo, blocks: list[Blo
         async with slots:
             mv = checked_read(key, span, await store.get_range(key, *span))
             if ring is None:
-                await settled(pool, [(work, (b, mv, span[0])) for b in wblocks])
+                await settled(pool, [(dec.work, (b, mv, span[0])) for b in wblocks])
                 return
             await all_or_first_error(
-                [settled(pool, [(work, (b, mv, span[0])) for b in wblocks
+                [settled(pool, [(dec.work, (b, mv, span[0])) for b in wblocks
                                 if not ring.wants(b)]),
-                 *(staged_block(b, mv, span[0]) for b in wblocks if ring.wants(b))])
+                 *(dec.staged_block(pool, b, mv, span[0]) for b in wblocks
+                   if ring.wants(b))])
 
     await all_or_first_error([one(span, wblocks) for span, wblocks in windows])
+
+
+class _BlockDecoder:
+    """Checks and decodes one blob's blocks into their destinations (on pool threads)."""
+
+    def __init__(self, key: str, info: MckpInfo, dest: Callable[[BlockRef], np.ndarray],
+                 started: Started, ring: StagingRing | None,
+                 after: Callable[[BlockRef, np.ndarray], None] | None) -> None:
+        self.key, self.info, self.dest = key, info, dest
+        self.started, self.ring, self.after = started, ring, after
+        self._once = threading.Lock()
+        self._fired = False
+        #: staged blocks being decoded -> their leased buffer (set and read on one thread)
+        self._staged_dest: dict[tuple[int, int], np.ndarray] = {}
+
+    def work(self, b: BlockRef, mv: memoryview, base: int) -> None:
+        key, info = self.key, self.info
+        try:
+            meta, payload = block_from_bytes(mv[b.offset - base:b.offset - base + b.length],
+                                             b, info, verify_payload=True)
+        except ChecksumMismatch as err:  # name the blob: the block's own message cannot
+            raise ChecksumMismatch(f"{key}: {err.where}", err.expected, err.actual) from None
+        except InvalidFormat as err:
+            raise type(err)(f"{key}: {err}") from None
+        if not self._fired:  # the first block verified: the first write is about to happen
+            with self._once:
+                if not self._fired:
+                    self.started()
+                    self._fired = True
+        out = self._staged_dest.get((b.tensor, b.chunk))
+        into = self.dest(b) if out is None else out
+        decode_chunk(payload, meta, None, into,
+                     where=f"{key}: {info.block_name(b.tensor, b.chunk)}",
+                     verify_payload=False)
+        if self.after is not None:
+            self.after(b, into)
+
+    def _work_staged(self, b: BlockRef, mv: memoryview, base: int, lease: Any) -> None:
+        assert self.ring is not None
+        ln = self.info.tensors[b.tensor].chunks[b.chunk][1]
+        self._staged_dest[(b.tensor, b.chunk)] = lease.array[:ln]
+        try:
+            self.work(b, mv, base)
+        finally:
+            del self._staged_dest[(b.tensor, b.chunk)]
+        self.ring.finish(b, lease)
+
+    async def staged_block(self, pool: Executor, b: BlockRef, mv: memoryview, base: int
+                           ) -> None:
+        """Decode ``b`` into a leased buffer of the ring, copied from there into its live
+        tensor."""
+        assert self.ring is not None
+        lease = await self.ring.lease()
+        try:  # settled: the work has finished (or never started) when this returns
+            await settled(pool, [(self._work_staged, (b, mv, base, lease))])
+        finally:
+            self.ring.release(lease)
 
 
 class _Tracked:

@@ -83,6 +83,26 @@ class SaveContext:
     #: worker's only holds what its trainer staged (:class:`BufferSet`)
     new_area: Callable[[], BufferSet] = staging_area
 
+    @classmethod
+    def for_run(cls, config: Config, state: dict[str, Any], store: Store, layout: RunLayout,
+                catalog: RunCatalog, coordinator: Coordinator, pool: CodecPool, *,
+                retention: Policy | None, sharded_model: bool = False,
+                **kw: Any) -> SaveContext:
+        """What the saves of a run share, built from its configuration: the one builder of
+        the training process (a manager) and of its checkpoint worker (``kw``: the other
+        fields, e.g. the worker's ``new_area``)."""
+        cfg = config.checkpointing
+        ctx = cls(config=config, state=state, store=store, layout=layout, catalog=catalog,
+                  coordinator=coordinator, pool=pool,
+                  encoder=BlobEncoder(cfg.compression, cfg.pipeline, pool),
+                  chain_policy=ChainPolicy.of(cfg.compression), retention=retention,
+                  sharded_model=sharded_model, **kw)
+        if cfg.lossy.enabled:  # imported here: the lossy coder works on torch tensors
+            from mithril_async.pipeline.lossy import LossyTrack
+
+            ctx.lossy = LossyTrack(cfg.lossy)
+        return ctx
+
     def __post_init__(self) -> None:
         remote = self.config.checkpointing.remote
         if remote is not None:  # an S3 upload buffers parts (storage/s3/writer.py)

@@ -28,6 +28,7 @@ import xxhash
 
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import dtype_name, tensor_bytes
+from mithril_async.config import CompressionConfig
 from mithril_async.manifest import BaseRef, BlobRef
 from mithril_async.pipeline.blobs import TensorRef
 from mithril_async.save.buffers import BufferSet
@@ -53,6 +54,15 @@ class ChainPolicy:
     #: a tensor is a delta only if estimated to save this much of its full size (delta_choice)
     min_gain: float = 0.0
     byte_grouping: bool = True
+
+    @classmethod
+    def of(cls, comp: CompressionConfig) -> ChainPolicy:
+        """The chain policy ``[checkpointing.compression]`` sets (none without compression)."""
+        return cls(
+            delta=comp.delta and comp.enabled,
+            dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
+            keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
+            min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping)
 
     @property
     def double_buffer(self) -> bool:

@@ -158,7 +158,6 @@ def compute_analysis(
     numel = _layer_numel(meta, ddir)
     names = list(numel)
     total = int(meta.get("total_params") or sum(numel.values()))
-    n_layers = len(names)
 
     pick = _evenly(len(steps), max_overlap_steps)
     windows = {k: list(range(0, len(steps) - k + 1, k_stride)) for k in k_values}
@@ -170,68 +169,8 @@ def compute_analysis(
         by_pos = {t: s.layers[name] for t, s in enumerate(steps) if name in s.layers}
         accumulate_layer(tot, numel[name], by_pos)
 
-    def frac(n: int) -> float:
-        return 1.0 - n / total if total else 1.0
-
-    per_step: list[dict[str, Any]] = []
-    layer_rows: list[dict[str, Any]] = []
-    sizes = [sum(p[0].size for p in s.layers.values()) for s in steps]
-    for t, s in enumerate(steps):
-        nnz_by_layer = {n: int(p[0].size) for n, p in s.layers.items()}
-        nnz = sizes[t]
-        h_l2, hn_l2 = _entropy(list(s.sq.values()), n_layers)
-        h_nnz, hn_nnz = _entropy([float(v) for v in nnz_by_layer.values()], n_layers)
-        jac = None
-        if t > 0:
-            inter = int(tot.jac_inter[t])
-            union = sizes[t - 1] + nnz - inter
-            jac = 1.0 if union == 0 else inter / union
-        per_step.append(
-            {
-                "step": s.step,
-                "nonzero": nnz,
-                "density": nnz / total if total else 0.0,
-                "sparsity": frac(nnz),
-                "update_l2": math.sqrt(sum(s.sq.values())),
-                "changed_layers": len(s.layers),
-                "jaccard_prev": jac,
-                "entropy_l2": h_l2,
-                "entropy_l2_norm": hn_l2,
-                "entropy_nnz": h_nnz,
-                "entropy_nnz_norm": hn_nnz,
-                "cumulative_nonzero": int(tot.cum_net[t]),
-                "cumulative_sparsity": frac(int(tot.cum_net[t])),
-                "cumulative_union_sparsity": frac(int(tot.cum_union[t])),
-            }
-        )
-        for n in names:
-            k = nnz_by_layer.get(n, 0)
-            layer_rows.append(
-                {
-                    "step": s.step,
-                    "layer": n,
-                    "nonzero": k,
-                    "numel": numel[n],
-                    "sparsity": 1.0 - k / numel[n] if numel[n] else 1.0,
-                    "update_l2": math.sqrt(s.sq.get(n, 0.0)),
-                }
-            )
-
-    k_rows: list[dict[str, Any]] = []
-    for k, starts in windows.items():
-        for w, i in enumerate(starts):
-            net, union = int(tot.k_net[k][w]), int(tot.k_union[k][w])
-            k_rows.append(
-                {
-                    "k": k,
-                    "start_step": steps[i].step,
-                    "end_step": steps[i + k - 1].step,
-                    "net_nonzero": net,
-                    "sparsity": frac(net),
-                    "union_nonzero": union,
-                    "union_sparsity": frac(union),
-                }
-            )
+    per_step, layer_rows = _step_rows(steps, tot, numel, total)
+    k_rows = _k_rows(windows, steps, tot, total)
 
     ov_union = tot.ov_size[:, None] + tot.ov_size[None, :] - tot.ov_inter
     overlap = np.where(ov_union > 0, tot.ov_inter / np.maximum(ov_union, 1), 1.0).tolist()
@@ -253,6 +192,83 @@ def compute_analysis(
     )
     report.summary = _summary(report, list(k_values))
     return report
+
+
+def _sparsity(n: int, total: int) -> float:
+    """The fraction of ``total`` parameters that ``n`` changed ones leave unchanged."""
+    return 1.0 - n / total if total else 1.0
+
+
+def _step_rows(steps: list[Any], tot: Totals, numel: dict[str, int], total: int
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The per-step rows and the per-(step, layer) rows of the report."""
+    names = list(numel)
+    n_layers = len(names)
+    per_step: list[dict[str, Any]] = []
+    layer_rows: list[dict[str, Any]] = []
+    sizes = [sum(p[0].size for p in s.layers.values()) for s in steps]
+    for t, s in enumerate(steps):
+        nnz_by_layer = {n: int(p[0].size) for n, p in s.layers.items()}
+        nnz = sizes[t]
+        h_l2, hn_l2 = _entropy(list(s.sq.values()), n_layers)
+        h_nnz, hn_nnz = _entropy([float(v) for v in nnz_by_layer.values()], n_layers)
+        jac = None
+        if t > 0:
+            inter = int(tot.jac_inter[t])
+            union = sizes[t - 1] + nnz - inter
+            jac = 1.0 if union == 0 else inter / union
+        per_step.append(
+            {
+                "step": s.step,
+                "nonzero": nnz,
+                "density": nnz / total if total else 0.0,
+                "sparsity": _sparsity(nnz, total),
+                "update_l2": math.sqrt(sum(s.sq.values())),
+                "changed_layers": len(s.layers),
+                "jaccard_prev": jac,
+                "entropy_l2": h_l2,
+                "entropy_l2_norm": hn_l2,
+                "entropy_nnz": h_nnz,
+                "entropy_nnz_norm": hn_nnz,
+                "cumulative_nonzero": int(tot.cum_net[t]),
+                "cumulative_sparsity": _sparsity(int(tot.cum_net[t]), total),
+                "cumulative_union_sparsity": _sparsity(int(tot.cum_union[t]), total),
+            }
+        )
+        for n in names:
+            k = nnz_by_layer.get(n, 0)
+            layer_rows.append(
+                {
+                    "step": s.step,
+                    "layer": n,
+                    "nonzero": k,
+                    "numel": numel[n],
+                    "sparsity": 1.0 - k / numel[n] if numel[n] else 1.0,
+                    "update_l2": math.sqrt(s.sq.get(n, 0.0)),
+                }
+            )
+    return per_step, layer_rows
+
+
+def _k_rows(windows: dict[int, list[int]], steps: list[Any], tot: Totals, total: int
+            ) -> list[dict[str, Any]]:
+    """One row per window of K consecutive steps: what changed over it (net and union)."""
+    k_rows: list[dict[str, Any]] = []
+    for k, starts in windows.items():
+        for w, i in enumerate(starts):
+            net, union = int(tot.k_net[k][w]), int(tot.k_union[k][w])
+            k_rows.append(
+                {
+                    "k": k,
+                    "start_step": steps[i].step,
+                    "end_step": steps[i + k - 1].step,
+                    "net_nonzero": net,
+                    "sparsity": _sparsity(net, total),
+                    "union_nonzero": union,
+                    "union_sparsity": _sparsity(union, total),
+                }
+            )
+    return k_rows
 
 
 def _evenly(n: int, most: int) -> list[int]:

@@ -48,10 +48,8 @@ from mithril_async.retention import from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.buffers import BufferSet
 from mithril_async.save.context import SaveContext
-from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
 from mithril_async.save.snapshot import HandedOff
-from mithril_async.save.writers import BlobEncoder
 from mithril_async.worker.channel import Channel
 from mithril_async.worker.handoff import (
     config_of,
@@ -148,30 +146,18 @@ class WorkerServer:
         catalog = RunCatalog(store, layout, claim_stale_s=cfg.pipeline.claim_stale_s)
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
         pool = CodecPool(threads, "mithril-codec")
-        comp = cfg.compression
         self.loop = BackgroundLoop()
         coordinator: Coordinator = LocalCoordinator()
         if world > 1:  # rank 0 was handed the socket its peers connect to
             listener = socket.socket(fileno=fds[0]) if rank == 0 else None
             coordinator = PeerCoordinator(rank, world, args["peers"], listener)
             self.loop.run(coordinator.start())
-        self.ctx = SaveContext(
+        self.ctx = SaveContext.for_run(
             # the state's item names (what a rank's discard of an aborted save removes)
-            config=config, state=dict.fromkeys(args.get("items") or ()), store=store,
-            layout=layout, catalog=catalog, coordinator=coordinator, pool=pool,
-            encoder=BlobEncoder(comp, cfg.pipeline, pool),
-            chain_policy=ChainPolicy(
-                delta=comp.delta and comp.enabled,
-                dedup=(comp.delta if comp.dedup is None else comp.dedup) and comp.enabled,
-                keyframe_interval=comp.keyframe_interval, delta_base=comp.delta_base,
-                min_gain=comp.effective_delta_min_gain, byte_grouping=comp.byte_grouping),
-            retention=None if args.get("keep_all") else from_config(cfg),
+            config, dict.fromkeys(args.get("items") or ()), store, layout, catalog,
+            coordinator, pool, retention=None if args.get("keep_all") else from_config(cfg),
             sharded_model=bool(args.get("sharded_model")),
             new_area=BufferSet)  # it only holds what the trainer staged
-        if cfg.lossy.enabled:  # torch is imported for it: the lossy coder works on tensors
-            from mithril_async.pipeline.lossy import LossyTrack
-
-            self.ctx.lossy = LossyTrack(cfg.lossy)
         steps = args.get("steps")  # None: the trainer had not listed them yet
         self.ctx.steps = set(steps if steps is not None
                              else self.loop.run(catalog.committed_steps()))
