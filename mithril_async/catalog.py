@@ -692,7 +692,8 @@ class RunCatalog:
                 aliases={"latest": latest.version_id if latest else None,
                          "best": best.version_id if best else None},
                 versions=[VersionSummary(version_id=v.version_id, step=v.step,
-                                         created_at=v.created_at, model_key=v.model.key,
+                                         created_at=v.created_at,
+                                         model_key=v.model.key if v.model else None,
                                          metrics=v.metrics,
                                          bytes=sum(b.bytes for b in v.blobs()),
                                          held=v.held)

@@ -53,6 +53,7 @@ from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveHandle, SaveResult
+from mithril_async.plain_state import PlainEntry, bind_state
 from mithril_async.preemption import Preemption
 from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.restore.targets import live_targets, loaded_in_place
@@ -63,7 +64,6 @@ from mithril_async.save.job import SaveJob
 from mithril_async.save.overlap import StepGuard, optimizers_in
 from mithril_async.save.staging import StagingArea
 from mithril_async.state import (
-    JsonStateful,
     Stateful,
     default_on_reshard,
     flatten_state,
@@ -128,13 +128,8 @@ class CheckpointManager:
         self.config = with_absolute_paths(
             config if isinstance(config, Config) else Config(checkpointing=config))
         self.cfg = cfg = self.config.checkpointing
-        if "model" not in state:
-            raise ValueError("state must contain a 'model' entry (anything with state_dict())")
-        for name, obj in state.items():
-            if not isinstance(obj, (Stateful, JsonStateful)):
-                raise TypeError(f"state[{name!r}] has neither state_dict()/load_state_dict() "
-                                "nor get_state()/set_state()")
-        self.state = dict(state)
+        #: the items saved and restored: plain entries bound to ``state`` (written back there)
+        self.state = bind_state(state)
         #: objects passed in that a checkpoint worker process cannot rebuild
         own = None if isinstance(coordinator, LocalCoordinator) else coordinator
         given = [what for what, obj in (("a store", store), ("a coordinator", own),
@@ -680,6 +675,9 @@ class CheckpointManager:
                      load: Literal["all", "model"] = "all",
                      on_reshard: OnReshard = default_on_reshard,
                      verify: Literal["block", "whole"] | None = None) -> RestoreResult:
+        if load == "model" and "model" not in self.state:
+            raise ConfigError('restore(load="model") loads the state\'s "model" entry, and '
+                              f"this manager's state has none (it has: {', '.join(self.state)})")
         if self.tiers is not None:  # each file from the fastest tier holding it, then read
             return self.tiers.restore(target, load, fallback, lambda vid: self._apply(
                 self._bg(self._read(vid, False, load, verify)), load, on_reshard))
@@ -743,6 +741,10 @@ class CheckpointManager:
         resharded = decoded.rng_by_rank is not None
         by_rank = decoded.rng_by_rank or {}
         notes: list[str] = []
+        for name, obj in self.state.items():  # plain entries: all checked before any write
+            if isinstance(obj, PlainEntry) and name in trees and (load == "all"
+                                                                  or name == "model"):
+                obj.check(trees[name])
         for name, obj in self.state.items():
             if load == "model" and name != "model":
                 continue

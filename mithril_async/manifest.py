@@ -390,7 +390,9 @@ class VersionManifest(_Model):
     world_size: int = Field(default=1, ge=1, le=1 << 20)
     paths: Paths = Field(default_factory=Paths)
     config: BlobRef | None = None
-    model: BlobRef
+    #: the ``model`` item (rank 0's whole model, or rank 0's shard of a sharded one); None:
+    #: the state had no ``model`` entry (every item is then in ``optimizer`` / ``extra``)
+    model: BlobRef | None = Field(None, exclude_if=_falsy)
     optimizer: OptimizerEntry | None = None
     rng: RngEntry = Field(default_factory=RngEntry)
     extra: dict[str, list[ShardRef]] = Field(default_factory=dict)
@@ -432,7 +434,8 @@ class VersionManifest(_Model):
         return self
 
     def _piece_refs(self) -> Iterable[BlobRef]:
-        yield self.model
+        if self.model is not None:
+            yield self.model
         if self.optimizer is not None:
             yield from self.optimizer.shards
         for shards in self.extra.values():
@@ -440,7 +443,7 @@ class VersionManifest(_Model):
 
     def blobs(self) -> list[BlobRef]:
         """Every blob this version names (model, optimizer shards, extras, lossy shards)."""
-        out: list[BlobRef] = [self.model]
+        out: list[BlobRef] = [] if self.model is None else [self.model]
         if self.optimizer is not None:
             out.extend(self.optimizer.shards)
         for shards in self.extra.values():
@@ -448,6 +451,12 @@ class VersionManifest(_Model):
         if self.lossy is not None:
             out.extend(self.lossy.shards)
         return out
+
+    def item_names(self) -> list[str]:
+        """The state items this version holds, in the manifest's order."""
+        names = ([] if self.model is None else ["model"]) + (
+            ["optimizer"] if self.optimizer is not None else []) + list(self.extra)
+        return list(dict.fromkeys(names))
 
     def all_keys(self) -> list[str]:
         return [b.key for b in self.blobs()] + [r.key for r in self.rng.keys]
@@ -483,7 +492,7 @@ class VersionSummary(_Model):
     version_id: str
     step: int
     created_at: datetime
-    model_key: str
+    model_key: str | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
     bytes: int = 0
     #: the version is held (its manifest's ``held``): no alias points at it

@@ -63,9 +63,8 @@ async def read_tree(target: Target, version: str | None, item: str,
         got = await reader.read_version(key, items=items, rng=False)
     m, trees = got.manifest, got.trees
     if item != "all" and item not in trees:
-        names = ["model"] + (["optimizer"] if m.optimizer else []) + list(m.extra)
         raise VersionNotFound(f"{m.version_id} has no {item!r} state (it has: "
-                              f"{', '.join(names)})")
+                              f"{', '.join(m.item_names())})")
     return (trees if item == "all" else trees[item]), m.version_id, m.step
 
 

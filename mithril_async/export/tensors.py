@@ -197,10 +197,9 @@ def _saved_refs(m: VersionManifest, item: str) -> tuple[dict[int, ShardRef], boo
     """The blobs of ``item`` by saved rank, and whether they are shards to consolidate."""
     shards = per_rank_items(m, {item}).get(item)
     if shards is None:
-        if item != "model":
-            names = ["model"] + (["optimizer"] if m.optimizer else []) + list(m.extra)
+        if item != "model" or m.model is None:
             raise VersionNotFound(f"{m.version_id} has no {item!r} state (it has: "
-                                  f"{', '.join(dict.fromkeys(names))})")
+                                  f"{', '.join(m.item_names())})")
         return {0: ShardRef(**m.model.model_dump(), rank=0)}, False
     by_rank = {s.rank: s for s in sorted(shards, key=lambda s: s.rank)}
     if all(s.has_pieces for s in shards) and len({s.piece_names() for s in shards}) == 1:

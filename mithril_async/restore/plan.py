@@ -141,7 +141,7 @@ def make_plan(m: VersionManifest, *, rank: int = 0, world_size: int | None = Non
     model_only = items is not None and set(items) == {"model"}
     if world_size is not None:
         _check_world_size(m, model_only, rank, world_size)
-    refs: dict[str, BlobRef] = {"model": m.model}
+    refs: dict[str, BlobRef] = {} if m.model is None else {"model": m.model}
     if m.optimizer is not None and not model_only:
         refs["optimizer"] = rank_ref(m, "optimizer", m.optimizer.shards, rank)
     for name, shards in m.extra.items():
@@ -220,8 +220,8 @@ def _pieces_plan(m: VersionManifest, rank: int, items: Collection[str] | None, r
     per_rank = per_rank_items(m, items)
     pieces = tuple(pieces_read(name, {s.rank: s for s in per_rank[name]}, tgts)
                    for name, tgts in targets.items())
-    whole = m.model if "model" not in per_rank and (items is None or "model" in items) \
-        else None
+    whole = m.model if m.model is not None and "model" not in per_rank and (
+        items is None or "model" in items) else None
     rng_ranks: tuple[int, ...] = ()
     if rng and resharded and all_rank_states:  # every saved rank's states are mapped
         rng_ranks = tuple(k.rank for k in m.rng.keys)

@@ -37,6 +37,7 @@ from mithril_async.codec.kernels import copy_arrays
 from mithril_async.device import CudaCopier
 from mithril_async.errors import ShapeMismatch
 from mithril_async.memory.ring import SlotRing
+from mithril_async.plain_state import PlainEntry
 from mithril_async.state import TensorDict
 
 __all__ = ["CopyRuns", "StagingRing", "check_shapes", "copier_for", "inplace_view",
@@ -64,13 +65,15 @@ def _live_tensors(obj: Any) -> Iterable[Any]:
                 if isinstance(v, torch.Tensor))
     if isinstance(obj, TensorDict):
         return obj.tensors.values()
+    if isinstance(obj, PlainEntry):
+        return obj.tensors()
     return ()
 
 
 def live_storages(obj: Any) -> frozenset[int]:
     """Storage addresses holding ``obj``'s live state: a module's parameters and buffers, an
-    optimizer's state tensors, a :class:`TensorDict`'s tensors; none for anything else (its
-    state dict cannot be proven to be its state)."""
+    optimizer's state tensors, a :class:`TensorDict`'s or a plain entry's tensors; none for
+    anything else (its state dict cannot be proven to be its state)."""
     return frozenset(p for t in _live_tensors(obj) if (p := _storage_ptr(t)))
 
 

@@ -161,7 +161,7 @@ class VersionCommit:
         ctx = self.ctx
         model = parts[0].model
         if model is None:  # a sharded model: rank 0's shard stands for the model entry
-            model = parts[0].shards["model"]
+            model = parts[0].shards.get("model")  # (none: the state has no model entry)
         shards: dict[str, list[ShardRef]] = {}
         for p in parts:
             for name, ref in p.shards.items():
@@ -179,8 +179,8 @@ class VersionCommit:
             run_id=ctx.layout.run_id, version_id=version_id(number), created_at=utcnow(),
             step=res.step, world_size=ctx.world_size,
             paths={"root_local": ctx.root_local(), "root_remote": ctx.root_remote()},
-            config=await self._config_ref(), model=BlobRef(**model.model_dump(
-                exclude={"rank"})), optimizer=optimizer,
+            config=await self._config_ref(), optimizer=optimizer,
+            model=None if model is None else BlobRef(**model.model_dump(exclude={"rank"})),
             rng=RngEntry(per_rank=True, keys=[RankKey(rank=p.rank, key=p.rng_key or "",
                                                       xxh64=p.rng_xxh64) for p in parts]),
             extra=shards, resume=ResumeInfo(base_step=res.step, exact=exact),

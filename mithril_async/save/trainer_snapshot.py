@@ -27,7 +27,7 @@ import torch
 
 from mithril_async.device import pinning
 from mithril_async.distributed import pieces_of, to_local
-from mithril_async.errors import HostMemoryExceeded
+from mithril_async.errors import HostMemoryExceeded, UnsupportedStateType
 from mithril_async.memory.budget import mib
 from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.lossy import lossy_roles
@@ -60,7 +60,10 @@ class TrainerSnapshot(StateSnapshot):
         flat: Flat = {}
         for name, obj in ctx.state.items():
             if isinstance(obj, Stateful):
-                flat[name] = flatten_state(obj.state_dict())
+                try:
+                    flat[name] = flatten_state(obj.state_dict())
+                except UnsupportedStateType as err:  # name the entry, not only the path in it
+                    raise UnsupportedStateType(f"state[{name!r}]: {err}") from None
                 self.pieces[name] = pieces_of(obj, flat[name][1])
             else:
                 self.json_states[name] = obj.get_state()
