@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -63,6 +63,15 @@ from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
 from mithril_async.save.overlap import StepGuard, optimizers_in
 from mithril_async.save.staging import StagingArea
+from mithril_async.save.waiting import (
+    Consumed,
+    DeviceCopied,
+    Done,
+    Result,
+    Wait,
+    run_awaiting,
+    run_blocking,
+)
 from mithril_async.state import (
     Stateful,
     default_on_reshard,
@@ -505,32 +514,16 @@ class CheckpointManager:
     # ------------------------------------------------------------ save
     async def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Snapshot now, write in the background; returns once the snapshot is consistent."""
-        t0 = time.perf_counter()
-        self._begin(step)
-        waited = 0.0
-        if self._busy_with() is not None:
-            if self.cfg.pipeline.on_busy != "wait":
-                return self._busy(step, t0)
-            log.info("save of step %d waits for the previous save (on_busy=wait)", step)
-            while (fut := self._busy_with()) is not None:
-                if fut is self._inflight:
-                    await asyncio.wrap_future(fut)
-                else:  # the worker's release: never cancelled by this wait's cancellation
-                    await asyncio.shield(asyncio.wrap_future(fut))
-            waited = time.perf_counter() - t0
-        self.check_for_errors()
-        job = SaveJob(self._ctx, step, t0)
-        for snap in self._snapshot(job):
-            await snap.wait()
-        handle, handoff = self._submit(job, metrics, waited)
-        await job.consumed()  # streamed (host_memory_mib): until its chunks are copied out
-        if handoff is not None:
-            await asyncio.wrap_future(handoff)
-        return handle
+        return await run_awaiting(self._save_steps(step, metrics, time.perf_counter()))
 
     def save_nowait(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Synchronous ``save()``: blocks only for the snapshot (and a busy pipeline)."""
-        t0 = time.perf_counter()
+        return run_blocking(self._save_steps(step, metrics, time.perf_counter()))
+
+    def _save_steps(self, step: int, metrics: Mapping[str, Any] | None, t0: float
+                    ) -> Generator[Wait, None, SaveHandle]:
+        """A save on the caller's thread, up to its handle: what it waits for is yielded
+        (awaited by ``save()``, blocked on by ``save_nowait()``)."""
         self._begin(step)
         waited = 0.0
         if self._busy_with() is not None:
@@ -538,16 +531,16 @@ class CheckpointManager:
                 return self._busy(step, t0)
             log.info("save of step %d waits for the previous save (on_busy=wait)", step)
             while (fut := self._busy_with()) is not None:
-                concurrent.futures.wait([fut])
+                yield Done(fut, cancels=fut is self._inflight)
             waited = time.perf_counter() - t0
         self.check_for_errors()
         job = SaveJob(self._ctx, step, t0)
         for snap in self._snapshot(job):
-            snap.wait_blocking()
+            yield DeviceCopied(snap)
         handle, handoff = self._submit(job, metrics, waited)
-        job.wait_consumed()  # streamed (host_memory_mib): until its chunks are copied out
+        yield Consumed(job)  # streamed (host_memory_mib): until its chunks are copied out
         if handoff is not None:
-            handoff.result()
+            yield Result(handoff)
         return handle
 
     def _begin(self, step: int) -> None:
