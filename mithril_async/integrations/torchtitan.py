@@ -49,8 +49,13 @@ torchtitan's fields, each honoured or refused by name (:class:`~mithril_async.Co
   ``tiers``), and in the mithril table ``runs_path``, ``ckpting_save_iter`` and ``keep_last``
   (torchtitan's ``folder``, ``interval`` and ``keep_latest_k`` set them).
 
-Sharded models (FSDP2/TP DTensors) and pipeline-parallel model parts are not supported yet:
-``build`` refuses a model with DTensor parameters rather than gathering it on one rank.
+Sharded models (FSDP2 ``fully_shard``, tensor parallel: DTensor parameters) are saved as each
+rank's shards (:class:`~mithril_async.distributed.ShardedModel` /
+:class:`~mithril_async.distributed.ShardedOptimizer`) and restored onto any world size and
+mesh; torchtitan's data loader cannot change its degree (exclude it from loading to resume on
+another world size). ``last_save_model_only`` is refused for a sharded model (its export
+would gather the model on one rank), and so are several model parts with DTensor parameters
+(pipeline parallel).
 """
 
 from __future__ import annotations
@@ -152,6 +157,23 @@ class _DataLoaderState:
             self.loader.load_state_dict(_from_json(state["torchtitan"]))
 
 
+class _ReplicatedState:
+    """A state every rank holds alike (the LR schedulers, the trainer's step) as a JSON state
+    of each rank, for a sharded model: a restore onto another world size gives each rank the
+    state of the saved rank of its number, or rank 0's (a ``state_dict`` item of every rank
+    would have no shard metadata to remap)."""
+
+    def __init__(self, obj: Any, exclude: bool) -> None:
+        self.obj, self.exclude = obj, exclude
+
+    def get_state(self) -> dict[str, Any]:
+        return {"torchtitan": _to_json(self.obj.state_dict())}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if not self.exclude and isinstance(state, dict) and "torchtitan" in state:
+            self.obj.load_state_dict(_from_json(state["torchtitan"]))
+
+
 class _ExportModel:
     """The model alone, floating tensors cast to ``export_dtype`` (the last model-only save)."""
 
@@ -201,6 +223,31 @@ def _is_remote(path: str) -> bool:
 
 
 # ---------------------------------------------------------------- the manager
+def _faces(config: Any, model_parts: list[torch.nn.Module], model: Any, optimizers: Any
+           ) -> tuple[bool, Any, Any]:
+    """(sharded, the model's face, the optimizer's face) for the manager: torchtitan's own
+    wrappers for a model of plain tensors; for DTensor parameters (FSDP2, TP) each rank's
+    shards through ``get_model_state_dict`` / ``get_optimizer_state_dict``."""
+    sharded = any(isinstance(p, DTensor) for part in model_parts for p in part.parameters())
+    if not sharded:
+        return False, model, optimizers
+    from mithril_async.distributed import ShardedModel, ShardedOptimizer
+
+    if len(model_parts) != 1:
+        raise ConfigError(f"MithrilCheckpointManager: {len(model_parts)} model parts with "
+                          "DTensor parameters (pipeline parallel) are not supported; one "
+                          "sharded model part is")
+    if config.last_save_model_only:
+        raise _refuse("last_save_model_only", "its export would gather the sharded model on "
+                                              "one rank; set it to false")
+    inner = list(getattr(optimizers, "optimizers", [optimizers]))
+    if len(inner) != 1:
+        raise ConfigError(f"MithrilCheckpointManager: {len(inner)} optimizers over one "
+                          "sharded model part; one is supported")
+    part = model_parts[0]
+    return True, ShardedModel(part), ShardedOptimizer(part, inner[0])
+
+
 class MithrilCheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpoint contract over a mithril_async :class:`CheckpointManager`
     (see the module docs for what each field does)."""
@@ -241,14 +288,12 @@ class MithrilCheckpointManager(BaseCheckpointManager):
         self.config = config
         self.folder = os.path.join(base_folder, config.folder)
         self.sd_adapter = sd_adapter
-        for part in model_parts:
-            if any(isinstance(p, DTensor) for p in part.parameters()):
-                raise ConfigError("MithrilCheckpointManager: the model has DTensor (FSDP/TP) "
-                                  "parameters; sharded torchtitan models are not supported "
-                                  "by this backend yet")
         self.states = states
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
                             DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
+        #: the model's and optimizer's faces for the manager (their shards, when sharded)
+        self.sharded, self._model_state, self._optim_state = _faces(
+            config, model_parts, self.states[MODEL], optimizers)
         exclude = set(config.exclude_from_loading)
         missing = sorted(exclude - set(self.states))
         if missing:
@@ -262,13 +307,16 @@ class MithrilCheckpointManager(BaseCheckpointManager):
         for name, obj in self.states.items():
             if obj is None:
                 continue
+            face = {MODEL: self._model_state, OPTIMIZER: self._optim_state}.get(name, obj)
             if name == DATALOADER:
                 state[name] = _DataLoaderState(obj, name in exclude)
+            elif self.sharded and name != MODEL and name != OPTIMIZER:
+                state[name] = _ReplicatedState(obj, name in exclude)
             elif name in exclude and name != OPTIMIZER:
-                state[name] = _KeepLive(obj)
+                state[name] = _KeepLive(face)
             else:
-                state[name] = obj
-        self.manager = CheckpointManager(self.mithril, state)
+                state[name] = face
+        self.manager = CheckpointManager(self.mithril, state, sharded_model=self.sharded)
         log.info("torchtitan checkpoints: run %s in %s (process=%s)", self.manager.run_id,
                  self.folder, self.manager.process)
 
@@ -357,8 +405,8 @@ class MithrilCheckpointManager(BaseCheckpointManager):
         ck.update(runs_path=str(p.parent), run_id=p.name, save_on_signals=[], tiers=None,
                   remote=None, keep_last=None)
         cfg = config_from_dict({"checkpointing": ck}, where="checkpoint.initial_load_path")
-        state = {MODEL: self.states[MODEL]} if model_only else self.manager.state
-        src = CheckpointManager(cfg, state)
+        state = {MODEL: self._model_state} if model_only else self.manager.state
+        src = CheckpointManager(cfg, state, sharded_model=self.sharded)
         try:
             if src.latest_step() is None:
                 raise _refuse("initial_load_path", f"{path!r} holds no committed version")

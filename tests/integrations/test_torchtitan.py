@@ -10,6 +10,7 @@ torchtitan (0.3.0) is in the dev extra; where it is not importable these tests s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from mithril_async.integrations.torchtitan import MithrilCheckpointManager
 from tests.integrations import _torchtitan_train as script
 
 SCRIPT = Path(script.__file__)
+HERE = SCRIPT.parent
 Cfg = MithrilCheckpointManager.Config
 
 
@@ -108,13 +110,13 @@ def test_sigkilled_run_resumes_bitwise_in_a_new_process(tmp_path: Path) -> None:
     _same(want, got)
 
 
-def _launch(out: Path, args: list[str], world: int, log: Path) -> None:
-    """``world`` gloo ranks of the script, launched as torchrun would; all must succeed."""
+def _launch(out: Path, args: list[str], world: int, log: Path, script: Path = SCRIPT) -> None:
+    """``world`` gloo ranks of ``script``, launched as torchrun would; all must succeed."""
     from tests.ranks import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args],
+    procs = [subprocess.Popen([sys.executable, str(script), str(out), *args],
                               stdout=(log.parent / f"{log.name}.{r}").open("wb"),
                               stderr=subprocess.STDOUT, env={**env, "RANK": str(r)})
              for r in range(world)]
@@ -148,6 +150,25 @@ def test_two_gloo_ranks_resume_each_ranks_position_bitwise(tmp_path: Path) -> No
         _same(want, got)
     a, b = (torch.load(full / f"final-rank{r}.pt", weights_only=False) for r in range(2))
     assert a["loader"] != b["loader"]  # the ranks' positions are their own
+
+
+@pytest.mark.slow
+def test_an_fsdp2_model_saved_by_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard``, DTensor parameters) on two gloo ranks saves each rank's
+    shards; one rank resumes from them: the whole model and AdamW state it holds are the
+    two-rank job's at that step, bit for bit, and it trains on and saves at its own size."""
+    fsdp = HERE / "_torchtitan_fsdp.py"
+    _launch(tmp_path, ["save", "4"], 2, tmp_path / "save.log", script=fsdp)
+    _launch(tmp_path, ["resume"], 1, tmp_path / "resume.log", script=fsdp)
+    saved = torch.load(tmp_path / "save.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    assert saved["step"] == resumed["step"] == 4
+    _same(saved["model"], resumed["model"])
+    _same(saved["optimizer"], resumed["optimizer"])
+    _same(saved["scheduler"], resumed["scheduler"])
+    mans = [json.loads(p.read_text()) for p in
+            sorted((tmp_path / "checkpoint/fsdp/versions").glob("*/manifest.json"))]
+    assert [(m["step"], m["world_size"]) for m in mans] == [(2, 2), (4, 2), (6, 1)]
 
 
 # ---------------------------------------------------------------- in process
