@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITES = ROOT / "benchmarks" / "suites"
 RUNNERS = {"run_orbax_suite.sh": "google/orbax",
            "run_lightning_suite.sh": "Lightning-AI/pytorch-lightning",
-           "run_dcp_suite.sh": "pytorch/pytorch"}
+           "run_dcp_suite.sh": "pytorch/pytorch",
+           "run_torchtitan_suite.sh": "pytorch/torchtitan"}
 
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -62,3 +63,21 @@ def test_the_resolver_takes_a_checkout_or_a_bare_git_directory(tmp_path: Path) -
         got = _run("-c", f'. {SUITES / "_peer_repo.sh"} && peer_git_dir a/b "{path}" v1')
         assert got.returncode == 0, got.stderr
         assert Path(got.stdout.strip()).resolve() == want.resolve()
+
+
+def test_the_torchtitan_runner_names_its_ref_and_mode(tmp_path: Path) -> None:
+    """Its ref is TORCHTITAN_REF (default: the revision docs/suites/torchtitan.md reports)."""
+    repo = _git_repo(tmp_path / "peer", "v1")
+    runner = str(SUITES / "run_torchtitan_suite.sh")
+    out = _run(runner, str(repo))
+    assert out.returncode == 2 and "no commit named 2e92be1c4" in out.stderr
+    other = subprocess.run(["bash", runner, str(repo), "sideways"], cwd=ROOT, text=True,
+                           capture_output=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env={"PATH": "/usr/bin:/bin", "TORCHTITAN_REF": "v1",
+                                "WORK": str(tmp_path / "work")})
+    assert other.returncode == 2 and "mode must be dcp or mithril" in other.stderr
+    tagged = subprocess.run(["bash", runner, str(repo), "mithril"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=60, stdin=subprocess.DEVNULL,
+                            env={"PATH": "/usr/bin:/bin", "TORCHTITAN_REF": "v1",
+                                 "WORK": str(tmp_path / "work")})
+    assert tagged.returncode == 2 and "no tests/unit_tests/test_checkpoint.py" in tagged.stderr
