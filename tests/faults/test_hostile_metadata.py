@@ -63,7 +63,7 @@ MANIFEST_CASES: dict[str, Callable[[Path], None]] = {
     "binary": _raw(bytes(range(256))),
     "schema-violation": lambda v: _put_manifest(
         v, lambda d: d["model"].__setitem__("bytes", -1)),
-    "missing-field": lambda v: _put_manifest(v, lambda d: d.pop("model")),
+    "missing-field": lambda v: _put_manifest(v, lambda d: d.pop("resume")),
     "unknown-field": lambda v: _put_manifest(v, lambda d: d.__setitem__("evil", 1)),
     "unknown-schema-version": lambda v: _put_manifest(
         v, lambda d: d.__setitem__("schema_version", 2)),

@@ -18,7 +18,12 @@ import torch
 from mithril_async import CheckpointManager
 from mithril_async.cli import main as cli_main
 from mithril_async.config import Config, config_from_dict
-from mithril_async.errors import ConfigError, ShapeMismatch, UnsupportedStateType
+from mithril_async.errors import (
+    ConfigError,
+    ShapeMismatch,
+    UnsupportedStateType,
+    VersionNotFound,
+)
 
 PROCESSES = pytest.mark.parametrize("process", ["inline", "worker"])
 
@@ -117,6 +122,10 @@ def test_what_cannot_be_stored_is_refused_naming_its_key(tmp_path: Path) -> None
         mgr.save_nowait(1).result()
         with pytest.raises(ConfigError, match="has none"):
             mgr.restore_sync(1, load="model")
+    # a live entry the version does not hold: a typed error naming it, nothing reported done
+    with CheckpointManager(cfg, {"weights": _weights(1), "model": torch.nn.Linear(2, 2)}
+                           ) as mgr, pytest.raises(VersionNotFound, match="'model'"):
+        mgr.restore_sync(1)
 
 
 def test_a_tensor_of_another_shape_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
