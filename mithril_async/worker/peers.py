@@ -8,14 +8,14 @@ commit the save every rank handed over. So the workers run the protocol among th
 How: a star over TCP. Rank 0's trainer opens a listening socket when its manager is made
 (bound to the job's address for rank 0: ``MASTER_ADDR``, else this host's address; port 0)
 and every rank learns its address and a secret in one broadcast on the trainers' checkpoint
-group (:func:`rendezvous`). Rank 0's trainer hands that socket to each worker it starts, so
-the address outlives a restarted worker; every other worker connects to it and says who it is
-(rank, secret). A save's steps are then messages: ``agree`` (rank 0 to all: the version
+group (:mod:`~mithril_async.worker.peer_links`: the socket, the rendezvous, the framed
+connections). Rank 0's trainer hands that socket to each worker it starts, so the address
+outlives a restarted worker; every other worker connects to it and says who it is (rank,
+secret). A save's steps are then messages: ``agree`` (rank 0 to all: the version
 number, or why there is none), ``part`` (to rank 0, without piece layouts), ``want`` (rank 0
 to all: the layouts it lacks, each from the lowest rank naming it, as
 :class:`~mithril_async.distributed.DistCoordinator` gathers them), ``layouts`` (to rank 0),
-``outcome`` (rank 0 to all). Frames are an 8-byte length and a JSON object, refused above a
-cap (a tiny one until the peer has said who it is); nothing is unpickled.
+``outcome`` (rank 0 to all).
 
 Pairing: rank 0 names each save with a fresh token in its ``agree`` message and every later
 message of that save carries it; a rank takes the ``agree`` of the step it is saving and drops
@@ -34,12 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import os
 import secrets
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -57,118 +54,15 @@ from mithril_async.pipeline.coordinator import (
     layout_senders,
     with_layouts,
 )
+from mithril_async.worker.peer_links import HELLO_MAX, MAX_FRAME, Conn, rendezvous
 
 __all__ = ["PeerCoordinator", "rendezvous", "save_scope"]
 
+
 log = logging.getLogger("mithril_async")
 
-_HEAD = struct.Struct("<Q")
-#: the largest frame a worker accepts from a peer that said who it is
-MAX_FRAME = 256 << 20
-#: the largest frame read from a connection before it said who it is
-HELLO_MAX = 4096
 #: seconds a leaving worker gives its last messages to go out
 _LEAVE_S = 5.0
-
-
-# ---------------------------------------------------------------- the trainers' side
-def _listen() -> tuple[socket.socket, str]:
-    """A listening TCP socket on the address the job uses for rank 0 (``MASTER_ADDR``),
-    else on this host's address; the socket and the host the other ranks connect to."""
-    hosts = [h for h in (os.environ.get("MASTER_ADDR"), _host_address()) if h]
-    errors: list[str] = []
-    for host in hosts:
-        try:
-            family, kind, proto, _, addr = socket.getaddrinfo(
-                host, 0, type=socket.SOCK_STREAM)[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.bind(addr)
-                sock.listen(socket.SOMAXCONN)
-            except OSError:
-                sock.close()
-                raise
-            return sock, str(sock.getsockname()[0])
-        except OSError as err:
-            errors.append(f"{host}: {err}")
-    raise DistributedError("rank 0 could not open the checkpoint workers' socket ("
-                           + "; ".join(errors) + ")")
-
-
-def _host_address() -> str | None:
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(socket.gethostname())
-    return None
-
-
-def rendezvous(coordinator: Coordinator) -> tuple[dict[str, Any], socket.socket | None]:
-    """Every trainer of the job at once (one broadcast on its checkpoint group): where rank
-    0's workers listen, with the secret and the timeout every worker uses, and (rank 0) the
-    listening socket, to hand to each worker it starts and close when it is done."""
-    from mithril_async.distributed import DistCoordinator
-
-    if not isinstance(coordinator, DistCoordinator):
-        raise DistributedError("checkpoint workers of several ranks need the manager's own "
-                               f"torch.distributed coordinator, not {type(coordinator).__name__}")
-    sock: socket.socket | None = None
-    doc: dict[str, Any] | None = None
-    if coordinator.rank == 0:
-        try:
-            sock, host = _listen()
-            doc = {"host": host, "port": int(sock.getsockname()[1]),
-                   "secret": secrets.token_hex(16), "timeout_s": coordinator.timeout_s}
-        except DistributedError as err:  # every rank learns it: none waits for the others
-            doc = {"error": str(err)}
-    try:
-        got = coordinator.broadcast_from_zero(doc, "agree_worker_address")
-    except BaseException:
-        if sock is not None:
-            sock.close()
-        raise
-    if not isinstance(got, dict) or "error" in got:
-        raise DistributedError(str(got.get("error") if isinstance(got, dict) else
-                                   "rank 0 sent no address for the checkpoint workers"))
-    return got, sock
-
-
-# ---------------------------------------------------------------- connections
-class _Conn:
-    """One framed connection between two workers."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 peer: int | None) -> None:
-        self.reader, self.writer, self.peer = reader, writer, peer
-        sock = writer.get_extra_info("socket")
-        if sock is not None:  # small messages answer each other: none waits for an ACK
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        #: why the connection ended (None while it is up)
-        self.lost: str | None = None
-
-    def post(self, msg: dict[str, Any]) -> None:
-        """Queue ``msg`` for sending (sent as the socket takes it)."""
-        body = json.dumps(msg, separators=(",", ":")).encode()
-        if len(body) > MAX_FRAME:
-            raise DistributedError(f"a {msg.get('op')} message of {len(body)} bytes exceeds "
-                                   f"the checkpoint workers' limit of {MAX_FRAME}")
-        if self.lost is not None:
-            raise ConnectionError(self.lost)
-        self.writer.write(_HEAD.pack(len(body)) + body)
-
-    async def flush(self, timeout: float) -> None:
-        await asyncio.wait_for(self.writer.drain(), timeout)
-
-    async def recv(self, limit: int) -> dict[str, Any]:
-        (n,) = _HEAD.unpack(await self.reader.readexactly(_HEAD.size))
-        if n > limit:
-            raise ValueError(f"a frame of {n} bytes exceeds {limit}")
-        msg = json.loads(await self.reader.readexactly(n))
-        if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
-            raise ValueError("a frame that is no message")
-        return msg
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 @dataclass
@@ -178,7 +72,7 @@ class _Run:
     token: str
     step: int | None
     #: the connection each other rank takes part over (rank 0: every rank; others: rank 0)
-    via: dict[int, _Conn] = field(default_factory=dict)
+    via: dict[int, Conn] = field(default_factory=dict)
     #: rank 0: what each rank sent
     parts: dict[int, dict[str, Any]] = field(default_factory=dict)
     layouts: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -214,10 +108,10 @@ class PeerCoordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         #: rank 0: each other rank's connection, and why a rank left for good
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._left: dict[int, str] = {}
         #: other ranks: the connection to rank 0 and what came over it, in order
-        self._up: _Conn | None = None
+        self._up: Conn | None = None
         self._inbox: list[dict[str, Any]] = []
         self._connecting = asyncio.Lock()
         #: the save in flight: its step and its protocol
@@ -284,7 +178,7 @@ class PeerCoordinator:
     async def _accept(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         """Rank 0: a worker connects; it must say which rank it is and know the secret."""
-        conn = _Conn(reader, writer, None)
+        conn = Conn(reader, writer, None)
         try:
             hello = await asyncio.wait_for(conn.recv(HELLO_MAX), self.timeout_s)
             rank = hello.get("rank")
@@ -313,7 +207,7 @@ class PeerCoordinator:
         with contextlib.suppress(DistributedError):
             await self._connection("connect")
 
-    async def _connection(self, what: str) -> _Conn:
+    async def _connection(self, what: str) -> Conn:
         """Another rank: the connection to rank 0's worker, made if there is none."""
         async with self._connecting:
             if self._up is not None and self._up.lost is None:
@@ -322,7 +216,7 @@ class PeerCoordinator:
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(self.host, self.port), self.timeout_s)
-                conn = _Conn(reader, writer, 0)
+                conn = Conn(reader, writer, 0)
                 conn.post({"op": "hello", "rank": self.rank, "secret": self._secret})
                 await conn.flush(self.timeout_s)
             except (OSError, TimeoutError) as err:
@@ -332,7 +226,7 @@ class PeerCoordinator:
             self._spawn(self._read(conn))
             return conn
 
-    async def _read(self, conn: _Conn) -> None:
+    async def _read(self, conn: Conn) -> None:
         """Receive ``conn``'s messages until it ends."""
         why = "connection closed"
         try:
@@ -351,7 +245,7 @@ class PeerCoordinator:
             self._gone(conn)
             self._kick()
 
-    def _take(self, conn: _Conn, msg: dict[str, Any]) -> None:
+    def _take(self, conn: Conn, msg: dict[str, Any]) -> None:
         if self.rank != 0:
             if conn is self._up:
                 self._inbox.append(msg)
@@ -371,7 +265,7 @@ class PeerCoordinator:
         elif msg["op"] == "abort":
             run.failed = run.failed or f"rank {rank} gave up the save: {msg.get('error')}"
 
-    def _gone(self, conn: _Conn) -> None:
+    def _gone(self, conn: Conn) -> None:
         rank = conn.peer
         if self.rank != 0 or rank is None:
             return
