@@ -44,11 +44,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import (
-    DistCoordinator,
-    ShardedModel,
-    ShardedOptimizer,
-)
+from mithril_async.distributed import DistCoordinator
+from mithril_async.sharded import ShardedModel, ShardedOptimizer
 
 
 def build_model(mparams: float, world: int) -> torch.nn.Module:

@@ -43,7 +43,8 @@ from _rss import PeakRSS
 from bench_dist import build_model
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import DistCoordinator, ShardedModel
+from mithril_async.distributed import DistCoordinator
+from mithril_async.sharded import ShardedModel
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str) -> None:

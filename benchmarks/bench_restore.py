@@ -171,7 +171,7 @@ def _reshard_rank(rank: int, world: int, port: int, what: str, runs: str, layers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mithril_async.distributed import ShardedModel, ShardedOptimizer
+    from mithril_async.sharded import ShardedModel, ShardedOptimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

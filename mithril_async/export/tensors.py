@@ -8,7 +8,7 @@ in-flight budget whatever the model's size. Both come from the one restore path:
 - a **sharded** item (``ShardedModel`` / ``ShardedOptimizer``: FSDP2, tensor parallel) lists
   its tensors from the shard metadata every rank recorded (``ShardRef`` pieces) and the
   lowest rank's state skeleton; a group is read as a restore into full-size targets (a
-  :class:`~mithril_async.distributed.ShardTarget` whose box is the whole global tensor):
+  :class:`~mithril_async.sharded.ShardTarget` whose box is the whole global tensor):
   :func:`~mithril_async.restore.plan.pieces_read` plans which saved pieces cover them,
   :func:`~mithril_async.restore.execute.open_item` / ``write_item`` stream only the chunks
   holding them, every block verified by its own hashes;
@@ -37,7 +37,6 @@ import torch
 from mithril_async.catalog import RunCatalog
 from mithril_async.codec.container import AsyncMckpRangeReader
 from mithril_async.codec.formats import blob_format
-from mithril_async.distributed import ShardTarget
 from mithril_async.errors import (
     ChecksumMismatch,
     DistributedError,
@@ -54,6 +53,7 @@ from mithril_async.restore.plan import per_rank_items, pieces_read
 from mithril_async.restore.reader import VersionReader
 from mithril_async.restore.reshard import Box
 from mithril_async.restore.sources import check_size, open_safetensors
+from mithril_async.sharded import ShardTarget
 from mithril_async.state import TORCH_DTYPES, flatten_state
 from mithril_async.storage.base import Store
 

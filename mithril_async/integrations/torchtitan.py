@@ -50,8 +50,8 @@ torchtitan's fields, each honoured or refused by name (:class:`~mithril_async.Co
   (torchtitan's ``folder``, ``interval`` and ``keep_latest_k`` set them).
 
 Sharded models (FSDP2 ``fully_shard``, tensor parallel: DTensor parameters) are saved as each
-rank's shards (:class:`~mithril_async.distributed.ShardedModel` /
-:class:`~mithril_async.distributed.ShardedOptimizer`) and restored onto any world size and
+rank's shards (:class:`~mithril_async.sharded.ShardedModel` /
+:class:`~mithril_async.sharded.ShardedOptimizer`) and restored onto any world size and
 mesh; torchtitan's data loader cannot change its degree (exclude it from loading to resume on
 another world size). ``last_save_model_only`` is refused for a sharded model (its export
 would gather the model on one rank), and so are several model parts with DTensor parameters
@@ -231,7 +231,7 @@ def _faces(config: Any, model_parts: list[torch.nn.Module], model: Any, optimize
     sharded = any(isinstance(p, DTensor) for part in model_parts for p in part.parameters())
     if not sharded:
         return False, model, optimizers
-    from mithril_async.distributed import ShardedModel, ShardedOptimizer
+    from mithril_async.sharded import ShardedModel, ShardedOptimizer
 
     if len(model_parts) != 1:
         raise ConfigError(f"MithrilCheckpointManager: {len(model_parts)} model parts with "

@@ -72,7 +72,7 @@ def lossy_roles(state: Mapping[str, Any]) -> Roles:
     """Roles of the model's parameters and their Adam moments, by ``"<item>/<tensor>"`` name.
 
     Only ``state["model"]`` (anything with ``named_parameters``, or a
-    :class:`~mithril_async.distributed.ShardedModel` around one) and ``state["optimizer"]``
+    :class:`~mithril_async.sharded.ShardedModel` around one) and ``state["optimizer"]``
     (anything with ``param_groups``, or a ``ShardedOptimizer``, whose state is keyed by
     parameter name) get roles; other items are never lossy."""
     model, opt = state.get("model"), state.get("optimizer")

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from mithril_async.device import await_event, order_after
-from mithril_async.distributed import to_local
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.staging import Job, copy_jobs, default_copy_threads, torn, torn_error
 from mithril_async.save.stream import StreamSnapshot
+from mithril_async.sharded import to_local
 
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -160,7 +160,7 @@ class StreamCopy:
 
 def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
     """The optimizers a state holds: directly, or wrapped in an ``.optimizer`` attribute
-    (:class:`~mithril_async.distributed.ShardedOptimizer`, integration adapters, a user's
+    (:class:`~mithril_async.sharded.ShardedOptimizer`, integration adapters, a user's
     wrapper: looked up as any attribute, so one delegated through ``__getattr__`` counts)."""
     found: list[torch.optim.Optimizer] = []
     for obj in state.values():

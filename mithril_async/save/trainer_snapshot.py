@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from mithril_async.device import pinning
-from mithril_async.distributed import pieces_of, to_local
 from mithril_async.errors import HostMemoryExceeded, UnsupportedStateType
 from mithril_async.memory.budget import mib
 from mithril_async.memory.ring import SlotRing
@@ -37,6 +36,7 @@ from mithril_async.save.overlap import OverlapCopy, StepGuard, StreamCopy
 from mithril_async.save.snapshot import StateSnapshot
 from mithril_async.save.staging import PLAIN_TYPES, StagingArea
 from mithril_async.save.stream import StreamSnapshot
+from mithril_async.sharded import pieces_of, to_local
 from mithril_async.state import Stateful, capture_rng, flatten_state
 
 __all__ = ["TrainerSnapshot"]

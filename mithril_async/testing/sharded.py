@@ -28,11 +28,11 @@ from typing import Any, Literal
 import torch
 import xxhash
 
-from mithril_async.distributed import ShardTarget, check_target
 from mithril_async.errors import ShapeMismatch
 from mithril_async.manifest import MeshSplit, PieceMeta
 from mithril_async.mesh_layout import mesh_box, replicated
 from mithril_async.restore.reshard import Box
+from mithril_async.sharded import ShardTarget, check_target
 
 __all__ = ["Mesh", "SimShardedState", "TensorPlan", "fsdp_state", "mesh_for"]
 

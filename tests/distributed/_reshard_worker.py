@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import ShardedModel, ShardedOptimizer
+from mithril_async.sharded import ShardedModel, ShardedOptimizer
 from tests.manager.conftest import Batcher
 
 SHAPES = {"w0": (7, 6), "w1": (4, 5), "b": (3,)}

@@ -27,13 +27,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import (
-    DistCoordinator,
-    ShardedModel,
-    ShardedOptimizer,
-    to_local,
-)
+from mithril_async.distributed import DistCoordinator
 from mithril_async.errors import DistributedError, SaveFailed, StorageError
+from mithril_async.sharded import ShardedModel, ShardedOptimizer, to_local
 from mithril_async.storage.local import LocalStore
 from tests.manager.conftest import Batcher, TinyNet
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mithril_async.distributed import DistCoordinator, dist_world, from_local, to_local
+from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import DistributedError
+from mithril_async.sharded import from_local, to_local
 
 
 def test_needs_an_initialised_process_group() -> None:
@@ -31,7 +32,7 @@ _DTENSOR_SCRIPT = r"""
 import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from mithril_async.distributed import from_local, to_local
+from mithril_async.sharded import from_local, to_local
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
@@ -58,3 +59,16 @@ def test_dtensor_shards_are_read_without_autograd(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT, f"{tmp_path}/store"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_sharded_names_moved_and_the_old_path_warns() -> None:
+    """ShardedModel & co. live in mithril_async.sharded; mithril_async.distributed still
+    gives them for a release, with a DeprecationWarning naming the new path."""
+    import mithril_async.distributed as old
+    import mithril_async.sharded as new
+
+    with pytest.warns(DeprecationWarning, match=r"mithril_async\.sharded\.ShardedModel"):
+        got = old.ShardedModel
+    assert got is new.ShardedModel
+    with pytest.raises(AttributeError, match="no_such_name"):
+        old.no_such_name  # noqa: B018

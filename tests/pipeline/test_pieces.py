@@ -21,7 +21,6 @@ import torch
 
 from mithril_async.codec.container import parse_blob
 from mithril_async.config import CompressionConfig, PipelineConfig
-from mithril_async.distributed import ShardTarget
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.manifest import BaseRef, PieceMeta, ShardRef
 from mithril_async.pipeline.pool import CodecPool
@@ -33,6 +32,7 @@ from mithril_async.restore.reshard import Box
 from mithril_async.restore.targets import CopyRuns
 from mithril_async.save.items import EncodePlan, StagedItem
 from mithril_async.save.writers import BlobEncoder
+from mithril_async.sharded import ShardTarget
 from mithril_async.storage import LocalStore
 
 PREFIX = "runs/x/versions/v000001"

@@ -103,7 +103,7 @@ def test_shard_metadata_names_match_the_stored_tensor_names() -> None:
     """The manifest's pieces are keyed by the names flatten_state stores tensors under."""
     import torch
 
-    from mithril_async.distributed import state_leaves
+    from mithril_async.sharded import state_leaves
     from mithril_async.state import flatten_state
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
@@ -192,7 +192,6 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
     import torch
 
     from mithril_async.config import CompressionConfig, PipelineConfig
-    from mithril_async.distributed import ShardTarget
     from mithril_async.manifest import PieceMeta, ShardRef
     from mithril_async.pipeline.pool import CodecPool
     from mithril_async.restore.execute import Context, Progress, open_item, write_item
@@ -200,6 +199,7 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
     from mithril_async.restore.plan import pieces_read
     from mithril_async.save.items import StagedItem
     from mithril_async.save.writers import BlobEncoder
+    from mithril_async.sharded import ShardTarget
 
     full = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
     pool = CodecPool(2)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import ShardedModel, ShardedOptimizer
+from mithril_async.sharded import ShardedModel, ShardedOptimizer
 from mithril_async.storage import open_store
 from mithril_async.tiers.layer import Tiers
 from tests.distributed._reshard_worker import full, local

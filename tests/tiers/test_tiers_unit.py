@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from mithril_async import CheckpointManager, parse_config
-from mithril_async.distributed import ShardTarget
 from mithril_async.errors import ConfigError, StorageError
 from mithril_async.manifest import BlobRef, VersionManifest
 from mithril_async.restore.plan import make_plan
 from mithril_async.restore.reshard import Box
+from mithril_async.sharded import ShardTarget
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import NodeMap, TiersConfig
