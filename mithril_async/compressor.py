@@ -27,7 +27,8 @@ import torch
 import xxhash
 
 from mithril_async.codec.chunk import CodecParams
-from mithril_async.codec.container import FLAG_DELTA, parse_blob
+from mithril_async.codec.container import FLAG_DELTA
+from mithril_async.codec.container_read import parse_blob
 from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
 from mithril_async.errors import (
     ConfigError,

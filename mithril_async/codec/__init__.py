@@ -24,13 +24,10 @@ from mithril_async.codec.chunk import (
     decode_chunk,
     encode_chunk,
 )
-from mithril_async.codec.container import (
+from mithril_async.codec.container import BlockRef, MckpInfo, MckpWriter, TensorEntry
+from mithril_async.codec.container_read import (
     AsyncMckpRangeReader,
-    BlockRef,
-    MckpInfo,
     MckpRangeReader,
-    MckpWriter,
-    TensorEntry,
     block_from_bytes,
     parse_blob,
 )

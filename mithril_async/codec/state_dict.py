@@ -32,14 +32,8 @@ from mithril_async.codec.chunk import (
     encode_chunk,
     encode_chunks,
 )
-from mithril_async.codec.container import (
-    BlockRef,
-    MckpInfo,
-    MckpWriter,
-    TensorEntry,
-    block_from_bytes,
-    parse_blob,
-)
+from mithril_async.codec.container import BlockRef, MckpInfo, MckpWriter, TensorEntry
+from mithril_async.codec.container_read import block_from_bytes, parse_blob
 from mithril_async.codec.dtypes import dtype_info, tensor_bytes, tensor_from_bytes
 from mithril_async.errors import MissingPrevious
 

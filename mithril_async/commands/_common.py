@@ -286,7 +286,7 @@ def decompress_total(args: argparse.Namespace, src: str | os.PathLike[str], out:
     output (then written). Only the trailer, header and index are read, and only when the bar
     shows; None when ``src`` cannot be read as an ``.mckp`` (the decompression then says
     why)."""
-    from mithril_async.codec.container import MckpRangeReader
+    from mithril_async.codec.container_read import MckpRangeReader
     from mithril_async.errors import MithrilError
 
     if not shows_progress(args):

@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
 def describe_mckp(data: bytes, where: str) -> dict[str, Any]:
     """Header, metadata and per-tensor compression of an MCKP blob (every block validated)."""
     from mithril_async.codec.chunk import DELTA_BIT, Transform
-    from mithril_async.codec.container import block_from_bytes, parse_blob
+    from mithril_async.codec.container_read import block_from_bytes, parse_blob
     from mithril_async.codec.entropy import PlaneMethod
 
     info = parse_blob(data, verify=True)

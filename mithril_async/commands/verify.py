@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
 
 def locate_block(data: bytes) -> str | None:
     """For an MCKP blob whose whole-file hash failed: the first block that fails its own hash."""
-    from mithril_async.codec.container import block_from_bytes, parse_blob
+    from mithril_async.codec.container_read import block_from_bytes, parse_blob
 
     try:
         info = parse_blob(data, verify=False)
@@ -77,7 +77,7 @@ def check_mckp_bytes(data: bytes, where: str, bar: ProgressBar | None = None) ->
     """Decode every block of a standalone blob; return its tensor count or raise Damage.
     ``bar`` counts the raw bytes of the blocks checked."""
     from mithril_async.codec.chunk import decode_chunk
-    from mithril_async.codec.container import block_from_bytes, parse_blob
+    from mithril_async.codec.container_read import block_from_bytes, parse_blob
     from mithril_async.errors import ChecksumMismatch, InvalidFormat
 
     try:

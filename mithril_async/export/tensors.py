@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from mithril_async.catalog import RunCatalog
-from mithril_async.codec.container import AsyncMckpRangeReader
+from mithril_async.codec.container_read import AsyncMckpRangeReader
 from mithril_async.codec.formats import blob_format
 from mithril_async.errors import (
     ChecksumMismatch,

@@ -28,13 +28,8 @@ from typing import Any
 
 import xxhash
 
-from mithril_async.codec.container import (
-    FLAG_DELTA,
-    PREAMBLE,
-    AsyncMckpRangeReader,
-    BlockRef,
-    MckpInfo,
-)
+from mithril_async.codec.container import FLAG_DELTA, PREAMBLE, BlockRef, MckpInfo
+from mithril_async.codec.container_read import AsyncMckpRangeReader
 from mithril_async.codec.safetensors_io import Entry, header_length, parse_header
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
 from mithril_async.manifest import BlobRef

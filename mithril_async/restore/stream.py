@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from mithril_async.codec.chunk import decode_chunk
-from mithril_async.codec.container import BlockRef, MckpInfo, block_from_bytes
+from mithril_async.codec.container import BlockRef, MckpInfo
+from mithril_async.codec.container_read import block_from_bytes
 from mithril_async.codec.dtypes import tensor_from_bytes
 from mithril_async.codec.kernels import copy_batch
 from mithril_async.errors import ChecksumMismatch, InvalidFormat

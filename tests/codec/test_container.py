@@ -12,14 +12,10 @@ import torch
 import xxhash
 
 from mithril_async.codec import container as C
+from mithril_async.codec import container_read as R
 from mithril_async.codec.chunk import CodecParams, encode_chunk
-from mithril_async.codec.container import (
-    AsyncMckpRangeReader,
-    MckpRangeReader,
-    MckpWriter,
-    TensorEntry,
-    parse_blob,
-)
+from mithril_async.codec.container import MckpWriter, TensorEntry
+from mithril_async.codec.container_read import AsyncMckpRangeReader, MckpRangeReader, parse_blob
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, UnknownFormatVersion
@@ -43,7 +39,7 @@ def blob_and_prev() -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Ten
 def _regions(blob: bytes) -> dict[str, tuple[int, int]]:
     info = parse_blob(blob)
     first = min(r.offset for r in info.index.values())
-    tr = C._parse_trailer(memoryview(blob)[-C.TRAILER_SIZE:], len(blob))
+    tr = R._parse_trailer(memoryview(blob)[-C.TRAILER_SIZE:], len(blob))
     blk = next(r for r in info.index.values() if r.tensor == 0)
     return {
         "preamble": (0, C.PREAMBLE.size), "header": (C.PREAMBLE.size, first),
@@ -201,7 +197,7 @@ def _refresh(buf: bytearray) -> bytes:
 
 def test_crafted_structural_lies_are_refused(blob_and_prev: tuple) -> None:
     blob, _, prev = blob_and_prev
-    tr = C._parse_trailer(memoryview(blob)[-C.TRAILER_SIZE:], len(blob))
+    tr = R._parse_trailer(memoryview(blob)[-C.TRAILER_SIZE:], len(blob))
     # index entry pointing outside the blob
     for off, ln in [(len(blob) + 10, 100), (0, 100), (tr.index_offset - 10, 1 << 40)]:
         buf = bytearray(blob)
@@ -232,7 +228,7 @@ def test_unknown_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         MckpRangeReader(lambda o, k: blob[o:o + k], len(blob)).open()
     today = compress_state_dict({"a": torch.ones(3)})
     assert parse_blob(today).version == C.VERSION == 2
-    monkeypatch.setattr(C, "READ_VERSIONS", (1,))  # a reader from before version 2
+    monkeypatch.setattr(R, "READ_VERSIONS", (1,))  # a reader from before version 2
     with pytest.raises(UnknownFormatVersion, match="version 2"):
         parse_blob(today)
 
@@ -243,7 +239,7 @@ def test_version_2_chunks_carry_xxh3_hashes_and_the_writer_refuses_others() -> N
     blob = compress_state_dict({"x": x})
     info = parse_blob(blob)
     ref = info.index[(0, 0)]
-    meta, payload = C.block_from_bytes(memoryview(blob)[ref.offset:ref.offset + ref.length],
+    meta, payload = R.block_from_bytes(memoryview(blob)[ref.offset:ref.offset + ref.length],
                                        ref, info)
     assert meta.hash_version == 2
     assert meta.raw_xxh64 == xxhash.xxh3_64_intdigest(x.numpy().tobytes())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mithril_async.codec import decompress_state_dict, rans, read_info
-from mithril_async.codec.container import block_from_bytes
+from mithril_async.codec.container_read import block_from_bytes
 from mithril_async.codec.entropy import PlaneMethod
 from tests.codec._helpers import same_bits
 from tests.golden.make_golden import HERE, NAMES, expected, version_of

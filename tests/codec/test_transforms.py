@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from mithril_async.codec import container as C
+from mithril_async.codec import container_read as R
 from mithril_async.codec.chunk import (
     CHUNK_HASH_VERSION,
     DELTA_BIT,
@@ -166,10 +167,10 @@ def test_hostile_transform_bytes_and_widths_are_refused() -> None:
 
 def test_block_reader_refuses_unregistered_transform_ids() -> None:
     blob = compress_state_dict({"w": torch.arange(64, dtype=torch.float32)})
-    info = C.parse_blob(blob)
+    info = R.parse_blob(blob)
     ref = info.index[(0, 0)]
     good = bytearray(blob[ref.offset:ref.offset + ref.length])
-    assert C.block_from_bytes(bytes(good), ref, info)[0].transform == Transform.EXP_FP32
+    assert R.block_from_bytes(bytes(good), ref, info)[0].transform == Transform.EXP_FP32
     nplanes = C.BLOCK_FIXED.unpack_from(good, 0)[5]
     hend = C.BLOCK_FIXED.size + nplanes * C.PLANE.size
     for t in [*UNKNOWN_IDS, DELTA_BIT | Transform.EXP_FP32]:
@@ -178,4 +179,4 @@ def test_block_reader_refuses_unregistered_transform_ids() -> None:
         buf[hend:hend + 8] = struct.pack("<Q", xxhash.xxh64_intdigest(bytes(buf[:hend])))
         msg = "delta flag" if t & DELTA_BIT else f"unknown transform {t}$"
         with pytest.raises(InvalidFormat, match=msg):
-            C.block_from_bytes(bytes(buf), ref, info)
+            R.block_from_bytes(bytes(buf), ref, info)

@@ -20,14 +20,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mithril_async.codec.container import (
-    HASH,
-    PREAMBLE,
-    TRAILER,
-    TRAILER_SIZE,
-    MckpRangeReader,
-    parse_blob,
-)
+from mithril_async.codec.container import HASH, PREAMBLE, TRAILER, TRAILER_SIZE
+from mithril_async.codec.container_read import MckpRangeReader, parse_blob
 from mithril_async.codec.state_dict import compress_state_dict, decompress_state_dict
 from mithril_async.errors import MithrilError
 from mithril_async.lossy.hpdkv import pack_residuals, unpack_residuals

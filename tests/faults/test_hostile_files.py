@@ -40,11 +40,10 @@ from mithril_async.codec.container import (
     PREAMBLE,
     TRAILER,
     TRAILER_SIZE,
-    MckpRangeReader,
     MckpWriter,
     TensorEntry,
-    parse_blob,
 )
+from mithril_async.codec.container_read import MckpRangeReader, parse_blob
 from mithril_async.codec.entropy import PlaneMethod
 from mithril_async.codec.state_dict import compress_state_dict
 from mithril_async.errors import InvalidFormat, LockTimeout, StorageError, UnsafeKey

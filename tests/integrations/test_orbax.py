@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import mithril_async.integrations.orbax.type_handlers as th
-from mithril_async.codec.container import MckpRangeReader
+from mithril_async.codec.container_read import MckpRangeReader
 from mithril_async.errors import ChecksumMismatch, ConfigError
 from mithril_async.integrations.orbax import (
     MithrilCheckpointHandler,

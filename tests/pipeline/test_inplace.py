@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mithril_async import CheckpointManager, ChecksumMismatch, Config
-from mithril_async.codec.container import parse_blob
+from mithril_async.codec.container_read import parse_blob
 from mithril_async.errors import RestoreIncomplete
 from mithril_async.restore.windows import group_windows
 from mithril_async.storage.local import LocalStore

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mithril_async.codec.container import parse_blob
+from mithril_async.codec.container_read import parse_blob
 from mithril_async.config import CompressionConfig, PipelineConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPrevious
 from mithril_async.manifest import BaseRef, PieceMeta, ShardRef

@@ -28,7 +28,8 @@ import mithril_async.restore.stream as stream
 import mithril_async.restore.targets as targets
 import mithril_async.restore.windows as windows
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, ConfigError, parse_config
-from mithril_async.codec.container import BlockRef, parse_blob
+from mithril_async.codec.container import BlockRef
+from mithril_async.codec.container_read import parse_blob
 from mithril_async.errors import (
     InvalidFormat,
     RestoreIncomplete,

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from mithril_async.codec.container import MckpInfo, MckpRangeReader
+from mithril_async.codec.container import MckpInfo
+from mithril_async.codec.container_read import MckpRangeReader
 from mithril_async.codec.state_dict import compress_state_dict, decode_tensors
 from mithril_async.errors import ChecksumMismatch, ConfigError, InvalidFormat
 from mithril_async.integrations.orbax.layout import (
