@@ -2,7 +2,9 @@
 
 The steps are the pieces of :mod:`mithril_async.storage.atomic`, called with this module's
 ``os`` (``fs=os``), so every system call of a save goes through one name that the fault and
-power-loss tests replace.
+power-loss tests replace. The sibling modules (``local_reads``: opening and ranged reads;
+``local_writer``: the streaming writer; ``local_listing``: the folder walks; ``local_lock``: the
+compare-and-swap lock) reach that same ``os`` through :attr:`LocalStore.fs`.
 
 Every blocking call runs on a worker thread (``asyncio.to_thread``), one hop per operation
 rather than one per syscall, so the event loop never waits on the disk.
@@ -31,55 +33,56 @@ configuration goes through it.
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
 import errno
-import fcntl
 import hashlib
 import os
 import stat
-import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 from mithril_async.errors import (
     KeyExists,
     KeyNotFound,
-    LockTimeout,
     PreconditionFailed,
     StorageError,
     UnsafeKey,
 )
+from mithril_async.storage import local_listing, local_reads
 from mithril_async.storage.atomic import create_temp, fsync_dir, unlink_quiet, write_all
 from mithril_async.storage.base import (
-    RESERVED_PREFIX,
     DirListing,
     Incomplete,
     Leftovers,
-    WriterContext,
     check_key,
     check_prefix,
     check_range,
-    child_name,
-    key_in_prefix,
     skipped,
 )
+from mithril_async.storage.local_lock import LOCK_NAME, LOCK_TIMEOUT_S, PRIVATE_MODE, cas_lock
+from mithril_async.storage.local_reads import LocalRangeReader, NotRegularFile
+from mithril_async.storage.local_writer import LocalWriter
+
+__all__ = [
+    "FILE_MODE",
+    "LOCK_NAME",
+    "LOCK_TIMEOUT_S",
+    "PRIVATE_MODE",
+    "LocalRangeReader",
+    "LocalStore",
+    "LocalWriter",
+    "NotRegularFile",
+    "content_tag",
+]
 
 T = TypeVar("T")
 
-LOCK_NAME = RESERVED_PREFIX + "cas.lock"
 _MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
-_WRITE_BUFFER = 1 << 20  # small writes are coalesced up to this size before a thread hop
-_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-#: permissions of a store's files (before the umask), and of the private ones
+#: permissions of a store's files (before the umask); private ones get ``PRIVATE_MODE``
 FILE_MODE = 0o644
-PRIVATE_MODE = 0o600
-#: how long ``put_if_match`` waits for the compare-and-swap lock by default, and the longest
-#: pause between two tries (polling with backoff: ``flock`` itself cannot time out)
-LOCK_TIMEOUT_S = 60.0
-_LOCK_MAX_PAUSE_S = 0.1
 
 
 def content_tag(data: bytes | memoryview) -> str:
@@ -103,6 +106,12 @@ class LocalStore:
         self.url = f"file://{self.root}/"
         self.durable = durable
         self.lock_timeout_s = lock_timeout_s
+
+    @property
+    def fs(self) -> ModuleType:
+        """The ``os`` every system call of this store goes through: this module's, looked up
+        at each use, so the tests that replace it reach the sibling modules' calls too."""
+        return os
 
     # -- paths and errors ------------------------------------------------------------------
     def local_path(self, key: str) -> Path:
@@ -228,47 +237,14 @@ class LocalStore:
                 return
             d = os.path.dirname(d)
 
-    @contextlib.contextmanager
-    def _cas_lock(self) -> Iterator[None]:
-        """Hold the store's compare-and-swap lock (an ``flock`` on ``.tmp-cas.lock``).
-
-        The file is created 0600 and never followed through a symlink: whoever can open it
-        can take the lock, so only the store's owner may. A lock file left group- or
-        world-accessible by an older version is tightened when it is ours."""
-        path = os.path.join(self.root, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, PRIVATE_MODE)
-        try:
-            st = os.fstat(fd)
-            if st.st_mode & 0o077 and st.st_uid == os.geteuid():
-                os.fchmod(fd, PRIVATE_MODE)
-            self._lock(fd, path)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the flock
-
-    def _lock(self, fd: int, path: str) -> None:
-        """``flock`` ``fd`` exclusively within ``lock_timeout_s`` (non-blocking tries with a
-        growing pause), else :class:`LockTimeout`: a holder that never lets go must fail the
-        write that waits for it, not hang it and every later save."""
-        deadline = time.monotonic() + self.lock_timeout_s
-        pause = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LockTimeout(errno.ETIMEDOUT, f"the lock {path} of {self.url} stayed held "
-                                  f"by another process for {self.lock_timeout_s:g} s", path)
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, _LOCK_MAX_PAUSE_S)
+    def _cas_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the store's compare-and-swap lock (:func:`~.local_lock.cas_lock`)."""
+        return cas_lock(os, self.root, self.lock_timeout_s, self.url)
 
     # -- reads -----------------------------------------------------------------------------
     @staticmethod
     def _read(path: str) -> bytes:
-        with open(_open_file(path), "rb", buffering=0, closefd=True) as f:
+        with open(local_reads.open_file(os, path), "rb", buffering=0, closefd=True) as f:
             return f.read()
 
     async def get(self, key: str) -> bytes:
@@ -278,9 +254,9 @@ class LocalStore:
         check_range(key, start, length)
 
         def read_range(path: str) -> bytes:
-            fd = _open_file(path)
+            fd = local_reads.open_file(os, path)
             try:
-                return _pread(fd, start, length)
+                return local_reads.pread(os, fd, start, length)
             finally:
                 os.close(fd)
 
@@ -293,7 +269,8 @@ class LocalStore:
         if type(self).get_range is not LocalStore.get_range:
             return None
         path = self._path(key)
-        fd = await self._run("get_range", key, _open_file, reading=True)
+        fd = await self._run("get_range", key, lambda p: local_reads.open_file(os, p),
+                             reading=True)
         return LocalRangeReader(self, key, path, fd)
 
     async def size(self, key: str) -> int:
@@ -301,7 +278,7 @@ class LocalStore:
             st = os.stat(path, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 raise OSError(errno.ELOOP, "symlink", path)
-            _check_regular(st.st_mode, path)
+            local_reads.check_regular(st.st_mode, path)
             return st.st_size
 
         return await self._run("size", key, stat_size, reading=True)
@@ -422,101 +399,34 @@ class LocalStore:
         return LocalWriter(self, key, self._path(key))
 
     # -- listing and cleanup ---------------------------------------------------------------
-    def _walk(self, top: str, rel: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """Yield (key, entry) of regular files and reserved temp files below ``top``."""
-        try:
-            it = os.scandir(top)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        with it:
-            for entry in it:
-                key = f"{rel}/{entry.name}" if rel else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    yield from self._walk(entry.path, key)
-                elif entry.is_file(follow_symlinks=False):
-                    yield key, entry
-
-    def _keys(self, top: str, rel: str) -> Iterator[str]:
-        """Yield the keys of the regular files below ``top`` (whose key is ``rel``), skipping
-        temp/lock files and names no key can have."""
-        for key, _entry in self._walk(top, rel):
-            try:
-                yield check_key(key)
-            except UnsafeKey:
-                continue
-
-    def _listing(self, norm: str, sized: bool) -> dict[str, int]:
-        """The keys under the normalised prefix ``norm``, sorted, from one walk (on a worker
-        thread), each with its size where ``sized`` (else 0: nothing is stat'ed)."""
+    def _top(self, norm: str) -> str:
+        """The folder of the normalised prefix ``norm``, refused if it climbs out of the root
+        through a symlink. Does I/O: runs on the worker thread."""
         self._check_prefix_dir(norm)
-        top = os.path.join(self.root, norm) if norm else self.root
-        out: dict[str, int] = {}
-        if norm and os.path.isfile(top) and not os.path.islink(top):
-            out[norm] = os.stat(top, follow_symlinks=False).st_size if sized else 0
-        for key, entry in self._walk(top, norm):
-            try:
-                out[check_key(key)] = entry.stat(follow_symlinks=False).st_size if sized else 0
-            except (UnsafeKey, FileNotFoundError):
-                continue
-        return {k: out[k] for k in sorted(out) if key_in_prefix(k, norm)}
+        return os.path.join(self.root, norm) if norm else self.root
+
+    def _keys(self, norm: str, sized: bool) -> dict[str, int]:
+        """Worker-thread body of the listings: the keys under ``norm``, sorted, from one walk,
+        each with its size where ``sized`` (else 0: nothing is stat'ed)."""
+        return local_listing.sized_keys(os, self._top(norm), norm, sized)
 
     async def list(self, prefix: str) -> list[str]:
         norm = check_prefix(prefix)
-        return list(await self._run("list", norm or ".", lambda _: self._listing(norm, False),
+        return list(await self._run("list", norm or ".", lambda _: self._keys(norm, False),
                                     reading=True, path=self.root))
 
     async def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every key under ``prefix`` with its size, from one directory walk
         (:class:`~mithril_async.storage.capabilities.SizedListing`)."""
         norm = check_prefix(prefix)
-        return await self._run("list", norm or ".", lambda _: self._listing(norm, True),
+        return await self._run("list", norm or ".", lambda _: self._keys(norm, True),
                                reading=True, path=self.root)
 
     async def list_dir(self, prefix: str) -> DirListing:
         norm = check_prefix(prefix)
-
-        def list_level(_: str) -> DirListing:
-            self._check_prefix_dir(norm)
-            top = os.path.join(self.root, norm) if norm else self.root
-            files: list[str] = []
-            dirs: list[str] = []
-            try:
-                it = os.scandir(top)
-            except (FileNotFoundError, NotADirectoryError):
-                return DirListing(files, dirs)
-            with it:
-                for entry in it:
-                    if child_name(entry.name) is None:  # temp/lock files, foreign names
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        # a folder counts only with a key below it, as on S3 (not an empty
-                        # directory, nor one holding only a running writer's temp file)
-                        rel = f"{norm}/{entry.name}" if norm else entry.name
-                        if next(self._keys(entry.path, rel), None) is not None:
-                            dirs.append(entry.name)
-                    elif entry.is_file(follow_symlinks=False):
-                        files.append(entry.name)
-            return DirListing(sorted(files), sorted(dirs))
-
         return await self._run(
-            "list_dir", norm or ".", list_level, reading=True, path=self.root
-        )
-
-    def _leftovers(self, norm: str) -> builtins.list[tuple[str, os.DirEntry[str]]]:
-        """Worker-thread body: (path below the root, entry) of every temp file of a writer
-        under ``norm`` (and of the key ``norm`` itself, which live beside it)."""
-        self._check_prefix_dir(norm)
-        top = os.path.join(self.root, norm) if norm else self.root
-        candidates = list(self._walk(top, norm))
-        if norm:  # temps of the key ``norm`` itself live in its parent directory
-            parent = os.path.dirname(top)
-            own = f"{RESERVED_PREFIX}{os.path.basename(top)[:100]}."
-            rel_parent = os.path.dirname(norm)
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                candidates += [(f"{rel_parent}/{e.name}" if rel_parent else e.name, e)
-                               for e in os.scandir(parent) if e.name.startswith(own)]
-        return [(rel, e) for rel, e in candidates
-                if e.name.startswith(RESERVED_PREFIX) and e.name != LOCK_NAME]
+            "list_dir", norm or ".", lambda _: local_listing.dir_level(os, self._top(norm), norm),
+            reading=True, path=self.root)
 
     async def list_incomplete(self, prefix: str) -> Leftovers:
         """Temp files of unfinished writes under ``prefix``, aged by their mtime."""
@@ -525,7 +435,7 @@ class LocalStore:
         def listing(_: str) -> Leftovers:
             now = time.time()
             out = []
-            for rel, entry in self._leftovers(norm):
+            for rel, entry in local_listing.leftovers(os, self._top(norm), norm):
                 with contextlib.suppress(FileNotFoundError):
                     out.append(Incomplete(rel, now - entry.stat(follow_symlinks=False).st_mtime))
             return sorted(out)
@@ -543,7 +453,7 @@ class LocalStore:
         def cleanup(_: str) -> int:
             now = time.time()
             removed = 0
-            for rel, entry in self._leftovers(norm):
+            for rel, entry in local_listing.leftovers(os, self._top(norm), norm):
                 if skipped(rel, skip):
                     continue
                 try:
@@ -562,208 +472,3 @@ class LocalStore:
 
     async def close(self) -> None:
         return None
-
-
-class NotRegularFile(OSError):
-    """A key's path holds something other than a file or folder (a FIFO, a socket, a
-    device): never a stored value, so refused (:class:`UnsafeKey` naming the key)."""
-
-    def __init__(self, kind: str, path: str) -> None:
-        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
-        self.kind = kind
-
-
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _check_regular(mode: int, path: str) -> None:
-    """Refuse what is not a regular file: a folder is no key (KeyNotFound, as a missing
-    file), anything else is :class:`NotRegularFile`."""
-    if stat.S_ISREG(mode):
-        return
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
-    raise NotRegularFile(kind, path)
-
-
-def _open_file(path: str) -> int:
-    """A blocking read-only descriptor of the regular file at ``path`` (no symlink, no
-    folder, no FIFO or device). Opened non-blocking, so a FIFO cannot hang the open; checked
-    by ``fstat`` on the descriptor itself (no race with a rename); then made blocking."""
-    fd = os.open(path, _OPEN_FLAGS)
-    try:
-        _check_regular(os.fstat(fd).st_mode, path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _pread(fd: int, start: int, length: int) -> bytes:
-    """``length`` bytes at ``start`` of ``fd`` (fewer only at its end)."""
-    parts: list[bytes] = []
-    pos, left = start, length
-    while left > 0:
-        chunk = os.pread(fd, left, pos)
-        if not chunk:
-            break
-        parts.append(chunk)
-        pos += len(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-class LocalRangeReader:
-    """Ranged reads of one file of a :class:`LocalStore` on the calling thread, through one
-    descriptor opened (confined, no symlink) by :meth:`LocalStore.open_range_reader`; errors
-    are the store's typed ones, as from ``get_range``. Thread-safe: reads may run on several
-    threads at once, and :meth:`close` closes the descriptor only once none is running (a
-    read still running when its caller gave up never reads another file through a reused
-    descriptor number)."""
-
-    def __init__(self, store: LocalStore, key: str, path: str, fd: int) -> None:
-        self._store, self._key, self._path, self._fd = store, key, path, fd
-        self._lock = threading.Lock()
-        self._busy = 0
-        self._closing = False
-
-    def read(self, start: int, length: int) -> bytes:
-        check_range(self._key, start, length)
-        with self._lock:
-            if self._closing:
-                raise StorageError(errno.EBADF, f"get_range {self._key!r}: reader closed",
-                                   self._path)
-            self._busy += 1
-        try:
-            return _pread(self._fd, start, length)
-        except OSError as exc:
-            if isinstance(exc, StorageError):
-                raise
-            raise self._store._error(exc, "get_range", self._key, self._path,
-                                     reading=True) from exc
-        finally:
-            with self._lock:
-                self._busy -= 1
-                last = self._closing and self._busy == 0
-            if last:
-                self._close_fd()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            idle = self._busy == 0
-        if idle:
-            self._close_fd()
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-class LocalWriter(WriterContext):
-    """Streams into ``.tmp-<name>.<pid>.<rand>`` beside the target; commit renames it.
-
-    Small writes are coalesced in memory up to 1 MiB; larger ones go straight to the file on a
-    worker thread. The caller's buffer is fully written before :meth:`write` returns, so it
-    may be reused. A failed write or commit removes the temp file itself.
-    """
-
-    def __init__(self, store: LocalStore, key: str, path: str) -> None:
-        self.key = key
-        self._store = store
-        self._path = path
-        self._fd: int | None = None
-        self._tmp: str | None = None
-        self._buf = bytearray()
-        self._size = 0
-        self._done = False
-        self._inflight: asyncio.Future[None] | None = None
-
-    async def _in_thread(self, op: str, fn: Callable[[], None]) -> None:
-        if self._done:
-            raise StorageError(f"{op} on a finished writer for {self.key!r} in {self._store.url}")
-        if self._inflight is not None and not self._inflight.done():
-            raise StorageError(f"concurrent {op} on the writer for {self.key!r}")
-        fut = asyncio.get_running_loop().run_in_executor(None, fn)
-        self._inflight = fut
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await self.abort()
-            raise
-        except OSError as exc:
-            self._discard()
-            if isinstance(exc, StorageError | UnsafeKey):
-                raise
-            raise self._store._error(exc, op, self.key, self._tmp or self._path,
-                                     reading=False) from exc
-        except BaseException:
-            self._discard()
-            raise
-
-    def _flush(self, extra: bytes | memoryview | None) -> None:
-        """Worker-thread body: create the temp on first use, then write buffer + extra."""
-        if self._fd is None:
-            self._fd, self._tmp = self._store._create_tmp(self._path)
-        if self._buf:
-            write_all(self._fd, self._buf, fs=os)
-            self._buf.clear()
-        if extra is not None:
-            write_all(self._fd, extra, fs=os)
-
-    async def write(self, data: bytes | memoryview) -> None:
-        n = memoryview(data).nbytes
-        if self._done:
-            raise StorageError(f"write on a finished writer for {self.key!r} in {self._store.url}")
-        if len(self._buf) + n <= _WRITE_BUFFER:
-            self._buf += data
-        else:
-            await self._in_thread("write", lambda: self._flush(data))
-        self._size += n
-
-    async def commit(self) -> int:
-        def commit() -> None:
-            self._flush(None)
-            assert self._fd is not None and self._tmp is not None
-            self._store._fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
-            os.rename(self._tmp, self._path)
-            self._tmp = None
-            self._store._sync_dir(os.path.dirname(self._path))
-
-        await self._in_thread("commit", commit)
-        self._done = True
-        return self._size
-
-    async def abort(self) -> None:
-        if self._inflight is not None and not self._inflight.done():
-            await asyncio.wait([self._inflight])  # let a cancelled write finish first
-        self._discard()
-
-    def _discard(self) -> None:
-        self._done = True
-        self._buf = bytearray()
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-        if self._tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._tmp)
-            self._tmp = None
-            self._store._prune(os.path.dirname(self._path))
-
-    def __del__(self) -> None:
-        """A writer dropped without commit/abort removes its temp file (best effort)."""
-        try:
-            if self._inflight is None or self._inflight.done():
-                self._discard()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass

@@ -1,7 +1,8 @@
 """A journaling ``os`` shim for :mod:`mithril_async.storage.local` and a model of what a power
 loss leaves on disk.
 
-:class:`Journal` replaces the ``os`` module *inside* ``storage/local.py`` only. Every call that
+:class:`Journal` replaces the ``os`` module *inside* ``storage/local.py`` only (its sibling
+``local_*.py`` modules reach that ``os`` through ``LocalStore.fs``). Every call that
 changes the file system (create, write, fsync of a file, fsync of a directory, rename, link,
 unlink, mkdir, rmdir) is forwarded to the real ``os`` and recorded in order; reads pass
 through untouched. :meth:`Journal.image` then answers: if the power had failed right after the

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ from mithril_async.errors import (
     StorageError,
     VersionNotFound,
 )
-from mithril_async.storage import local as local_mod
+from mithril_async.storage import local_reads
 from mithril_async.storage.local import LocalStore
 from tests.manager.conftest import Batcher, TinyNet, state_equal, train_step
 
@@ -115,15 +116,15 @@ def gated(request: pytest.FixtureRequest, tmp_path: Path) -> GatedStore | GatedR
 def bytes_read(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Bytes read by ranged reads of local files, per file path (both read paths)."""
     got: dict[str, int] = {}
-    real = local_mod._pread
+    real = local_reads.pread
 
-    def counting(fd: int, start: int, length: int) -> bytes:
-        data = real(fd, start, length)
+    def counting(fs: ModuleType, fd: int, start: int, length: int) -> bytes:
+        data = real(fs, fd, start, length)
         path = os.readlink(f"/proc/self/fd/{fd}")
         got[path] = got.get(path, 0) + len(data)
         return data
 
-    monkeypatch.setattr(local_mod, "_pread", counting)
+    monkeypatch.setattr(local_reads, "pread", counting)
     return got
 
 

@@ -9,11 +9,12 @@ import asyncio
 import os
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from mithril_async.errors import KeyNotFound, StorageError, UnsafeKey
-from mithril_async.storage import LocalStore, MemoryStore
+from mithril_async.storage import LocalStore, MemoryStore, local_reads
 from mithril_async.storage import local as local_mod
 from mithril_async.storage.capabilities import RangeReader, RangeReading
 
@@ -102,12 +103,12 @@ def test_close_waits_for_a_running_read(tmp_path: Path, monkeypatch: pytest.Monk
     file) until that read ends, which returns the right bytes; then it is closed."""
     store = _store(tmp_path)
     entered, release = threading.Event(), threading.Event()
-    real = local_mod._pread
+    real = local_reads.pread
 
-    def gated(fd: int, start: int, length: int) -> bytes:
+    def gated(fs: ModuleType, fd: int, start: int, length: int) -> bytes:
         entered.set()
         assert release.wait(30)
-        return real(fd, start, length)
+        return real(fs, fd, start, length)
 
     async def open_it() -> local_mod.LocalRangeReader:
         r = await store.open_range_reader("v/blob")
@@ -116,7 +117,7 @@ def test_close_waits_for_a_running_read(tmp_path: Path, monkeypatch: pytest.Monk
 
     reader = asyncio.run(open_it())
     fd = reader._fd
-    monkeypatch.setattr(local_mod, "_pread", gated)
+    monkeypatch.setattr(local_reads, "pread", gated)
     got: list[bytes] = []
     t = threading.Thread(target=lambda: got.append(reader.read(100, 50)))
     t.start()
