@@ -36,7 +36,9 @@ Keys live under ``<prefix>/<key>`` in one bucket. Design points:
 - Credentials come from the standard AWS chain (env vars, profiles, instance roles); nothing
   here reads or logs them.
 
-Modules: :mod:`.store` (``S3Store``: requests, reads, listings, conditional writes),
+Modules: :mod:`.store` (``S3Store``: listings, plain writes, uploads' cleanup), built on
+:mod:`.connection` (client, key mapping, typed errors, watchdog, retries), :mod:`.reads`
+(parallel reads pinned to one ETag) and :mod:`.conditional` (compare-and-swap writes);
 :mod:`.writer` (``S3Writer``, which sends its requests through the small
 :class:`~mithril_async.storage.s3.writer.S3Requests` interface the store implements), and
 :mod:`.errors` (telling botocore's failures apart). Importing this package imports aioboto3 (the
