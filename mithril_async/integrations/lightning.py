@@ -63,19 +63,16 @@ Loading runs no code unless pickle is allowed: a plain ``torch.save`` file is re
 (the plugin's ``pickle_fallback``, or Lightning's explicit ``weights_only=False``) says the
 file is trusted; Lightning's ``weights_only=True`` always wins. A planted ``.ckpt`` is a
 pickle, so unpickling it is running its author's code.
+
+Modules: :mod:`.lightning_format` (a checkpoint dict as one MCKP file),
+:mod:`.lightning_files` (locked temp files, reservations, cleanup), :mod:`.lightning_writes`
+(the background writes) and this one (the plugin, :func:`load_from_checkpoint`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import errno
-import fcntl
-import json
-import logging
 import os
-import pickle
-import re
 import shutil
 import sys
 import threading
@@ -83,16 +80,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
-from mithril_async.claims import owner_identity
 from mithril_async.codec.chunk import CodecParams
-from mithril_async.codec.state_dict import compress_state_dict
-from mithril_async.errors import ConfigError, InvalidFormat, SaveFailed
-from mithril_async.integrations._objects import pack_objects, snapshot, unpack_objects
-from mithril_async.restore.reader import read_tree_file
-from mithril_async.state import flatten_state, unflatten_state
-from mithril_async.storage.atomic import fsync_dir, temp_path, unlink_quiet, write_all
+from mithril_async.errors import ConfigError, SaveFailed
+from mithril_async.integrations._objects import pack_objects, snapshot
+from mithril_async.integrations.lightning_files import RESERVED_MAGIC, cleanup_folder, reserve
+from mithril_async.integrations.lightning_format import (
+    FORMAT_KEY,
+    PICKLED_KEY,
+    SKELETON_KEY,
+    is_ours,
+    load_checkpoint_file,
+    save_checkpoint_file,
+)
+from mithril_async.integrations.lightning_writes import (
+    LIVE,
+    LIVE_LOCK,
+    BackgroundWrite,
+    WriteThread,
+)
+from mithril_async.state import flatten_state
 
 try:  # the unified package first, then the standalone one
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -101,23 +107,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
         CheckpointIO,
     )
 
-__all__ = ["RESERVED_MAGIC", "STORAGE_OPTIONS", "MithrilCheckpointIO", "cleanup_folder",
-           "load_checkpoint_file", "load_from_checkpoint", "save_checkpoint_file"]
-
-SKELETON_KEY = "mithril.skeleton"
-FORMAT_KEY = "mithril.format"
-PICKLED_KEY = "mithril.pickled_leaves"
-
-#: the first bytes of a reservation (a path an asynchronous write has claimed but not yet
-#: filled). They are a pickle GLOBAL of a module that cannot exist, so ``torch.load`` fails
-#: with this text in its message (and imports nothing) instead of an opaque unpickling error.
-RESERVED_MAGIC = (b"\x80\x02cmithril_async: an unfinished checkpoint (its asynchronous write is "
-                  b"in progress, or its writer was killed); read it with "
-                  b"mithril_async.integrations.lightning.load_checkpoint_file\nreserved\n.")
-#: temp files of this module end so (``.tmp-<name>.<pid>.<hex8>.lk``): their writer holds an
-#: exclusive ``flock`` on them until the rename, so a free lock proves the writer is gone
-_TEMP_RE = re.compile(r"^\.tmp-.+\.\d+\.[0-9a-f]{8}\.lk$")
-_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+__all__ = ["FORMAT_KEY", "PICKLED_KEY", "RESERVED_MAGIC", "SKELETON_KEY", "STORAGE_OPTIONS",
+           "MithrilCheckpointIO", "cleanup_folder", "load_checkpoint_file",
+           "load_from_checkpoint", "save_checkpoint_file"]
 
 #: what ``save_checkpoint(..., storage_options=...)`` accepts, for this one save:
 #: ``compression_level`` (int, zstd level -7..22), ``asynchronous`` (bool: background write
@@ -125,240 +117,6 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 STORAGE_OPTIONS: dict[str, type] = {"compression_level": int, "asynchronous": bool, "fsync": bool}
 
 _M = TypeVar("_M")
-log = logging.getLogger("mithril_async")
-
-
-# ------------------------------------------------------------------------ locked files
-def _flock(fd: int, *, shared: bool = False, block: bool = False) -> bool | None:
-    """Take a ``flock``: True when held, False when another open file holds it, None when the
-    file system has no ``flock`` (then nothing can be proven about the file's writer)."""
-    op = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if block else fcntl.LOCK_NB)
-    try:
-        fcntl.flock(fd, op)
-    except BlockingIOError:
-        return False
-    except OSError as err:
-        if err.errno in _NO_FLOCK:
-            return None
-        raise
-    return True
-
-
-def _locked_temp(dst: str) -> tuple[int, str]:
-    """Create a temp file beside ``dst`` and hold its exclusive lock for the whole write.
-
-    A cleaner that removed the name between our create and our lock leaves us an unlinked
-    inode (``st_nlink == 0``): then a fresh name is taken, so a write never lands nowhere."""
-    for _ in range(16):
-        tmp = temp_path(dst) + ".lk"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        _flock(fd, block=True)
-        if os.fstat(fd).st_nlink > 0:
-            return fd, tmp
-        os.close(fd)
-    raise OSError(errno.EAGAIN, f"could not keep a temp file beside {dst}")
-
-
-def _write_file(dst: str, blob: bytes, *, durable: bool = True) -> None:
-    """Replace ``dst`` with ``blob`` crash-safely: locked temp, fsync, rename, folder fsync."""
-    fd, tmp = _locked_temp(dst)
-    try:
-        write_all(fd, blob)
-        if durable:
-            os.fsync(fd)
-        os.rename(tmp, dst)
-    except BaseException:
-        unlink_quiet(tmp)
-        raise
-    finally:
-        os.close(fd)  # releases the lock, after the rename
-    if durable:
-        fsync_dir(os.path.dirname(os.path.abspath(dst)))
-
-
-def _reserve(dst: str, *, durable: bool) -> int | None:
-    """Claim a path that does not exist yet with a locked reservation; its fd (lock held) or
-    None when something is already there (it keeps its content until our rename)."""
-    try:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    except FileExistsError:
-        return None
-    try:
-        _flock(fd)  # a new empty file: nobody else locks it (cleaners skip empty files)
-        doc = {**owner_identity(), "path": os.path.basename(dst)}
-        write_all(fd, RESERVED_MAGIC + json.dumps(doc).encode())
-        if durable:
-            os.fsync(fd)
-            fsync_dir(os.path.dirname(os.path.abspath(dst)))
-    except BaseException:
-        os.close(fd)
-        unlink_quiet(dst)
-        raise
-    return fd
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    fst = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
-
-
-def cleanup_folder(folder: str | os.PathLike[str]) -> list[str]:
-    """Remove what killed writers of this module left in ``folder``; return the removed paths.
-
-    A temp file (``.tmp-*.lk``) or a reservation is removed only when its ``flock`` can be
-    taken, i.e. no process holds it any more: a writer's lock is dropped by the kernel when it
-    dies, in whatever PID namespace. A live writer (this process's included) holds it, so its
-    files stay; on a file system without ``flock`` nothing is removed."""
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return removed
-    for entry in entries:
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            if not _TEMP_RE.match(entry.name):
-                if entry.stat(follow_symlinks=False).st_size > 4096:
-                    continue  # a reservation is a few hundred bytes
-                with open(entry.path, "rb") as f:
-                    if f.read(len(RESERVED_MAGIC)) != RESERVED_MAGIC:
-                        continue
-            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue  # vanished or unreadable: not ours to judge
-        try:
-            if _flock(fd) is True and _same_file(fd, entry.path):
-                os.unlink(entry.path)  # still holding the lock: no writer can be adopting it
-                removed.append(entry.path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-# ------------------------------------------------------------------------ files
-def _encode(checkpoint: dict[str, Any], *, params: CodecParams | None, threads: int | None,
-            pickle_fallback: bool, fmt: str) -> bytes:
-    pickled = 0
-    if pickle_fallback:
-        checkpoint, pickled = pack_objects(checkpoint)
-    skeleton, tensors = flatten_state(checkpoint)
-    return compress_state_dict(tensors, params=params, threads=threads, metadata={
-        SKELETON_KEY: json.dumps(skeleton, separators=(",", ":")), FORMAT_KEY: fmt,
-        PICKLED_KEY: pickled})
-
-
-def save_checkpoint_file(checkpoint: dict[str, Any], path: str | os.PathLike[str], *,
-                         params: CodecParams | None = None, threads: int | None = None,
-                         pickle_fallback: bool = False, fmt: str = "lightning",
-                         durable: bool = True) -> int:
-    """Write a checkpoint dict as one MCKP file (atomically); return its size.
-
-    ``pickle_fallback``: leaves the JSON skeleton cannot hold are pickled (see
-    :mod:`._objects`) instead of raising ``UnsupportedStateType``. ``durable=False`` skips
-    the fsyncs (the file is still replaced atomically).
-    """
-    blob = _encode(checkpoint, params=params, threads=threads, pickle_fallback=pickle_fallback,
-                   fmt=fmt)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    _write_file(os.fspath(p), blob, durable=durable)
-    return len(blob)
-
-
-def _read_complete(p: Path) -> bytes:
-    """The file's bytes once it is complete: a reservation is waited for (its writer's lock),
-    and one whose writer is gone raises :class:`InvalidFormat`."""
-    for _ in range(64):
-        with open(p, "rb") as f:
-            head = f.read(len(RESERVED_MAGIC))
-            if head != RESERVED_MAGIC:
-                return head + f.read()
-            doc = f.read(4096).decode("utf-8", "replace")
-            locked = _flock(f.fileno(), shared=True, block=True)  # waits for a live writer
-            if locked and not _same_file(f.fileno(), os.fspath(p)):
-                continue  # the writer renamed the real file over it: read that
-        why = ("its writer died before finishing" if locked else
-               "still being written, or its writer died (this file system has no flock to "
-               "tell)")
-        raise InvalidFormat(
-            f"{p}: an unfinished mithril_async checkpoint, {why} (writer: {doc}); it holds no "
-            "data: resume from another checkpoint (MithrilCheckpointIO removes such leftovers "
-            "at its next start)")
-    raise InvalidFormat(f"{p}: replaced over and over while being read")
-
-
-def load_checkpoint_file(path: str | os.PathLike[str], map_location: Any = None, *,
-                         allow_pickle: bool = False) -> dict[str, Any]:
-    """Read what :func:`save_checkpoint_file` wrote (or a plain ``torch.save`` file).
-
-    Nothing is unpickled unless ``allow_pickle``: pickled leaves are refused and a plain
-    ``torch.save`` file (a pickle as a whole) is read with ``torch.load(weights_only=True)``,
-    which loads tensors and plain containers only. A file that needs more raises
-    :class:`InvalidFormat` naming it; pass ``allow_pickle=True`` only for files you trust.
-    A file an asynchronous write still fills is waited for.
-    """
-    p = Path(path)
-    data = _read_complete(p)
-    if data[:4] != b"MCKP":
-        try:
-            loaded: dict[str, Any] = torch.load(p, map_location=map_location,
-                                                weights_only=not allow_pickle)
-        except pickle.UnpicklingError as err:
-            raise InvalidFormat(f"{p}: a torch.save checkpoint holding Python objects that "
-                                "loading would have to unpickle (run code for); load it with "
-                                "allow_pickle=True only if you trust its source "
-                                f"({str(err).splitlines()[0]})") from None
-        return loaded
-    meta, tensors = read_tree_file(data, str(p))
-    skeleton = meta.get(SKELETON_KEY)
-    if not isinstance(skeleton, str):
-        raise InvalidFormat(f"{p}: MCKP file without a checkpoint skeleton")
-    device = _target_device(map_location)
-    if device is not None:
-        tensors = {k: v.to(device) for k, v in tensors.items()}
-    tree: dict[str, Any] = unflatten_state(json.loads(skeleton), tensors)
-    if meta.get(PICKLED_KEY):
-        tree = unpack_objects(tree, allow_pickle=allow_pickle, where=str(p))
-    return tree
-
-
-def _target_device(map_location: Any) -> torch.device | None:
-    """Where decoded (CPU) tensors go, for ``torch.load``-style ``map_location`` values.
-
-    A callable (``lambda storage, loc: storage``) gets the CPU storage and may return it on
-    another device; a dict maps ``"cpu"``; a string/device is the device.
-    """
-    if map_location is None:
-        return None
-    if isinstance(map_location, (str, torch.device)):
-        return torch.device(map_location)
-    if isinstance(map_location, dict):
-        dev = map_location.get("cpu")
-        return None if dev is None else torch.device(dev)
-    if callable(map_location):
-        moved = map_location(torch.empty(0).untyped_storage(), "cpu")
-        dev = getattr(moved, "device", None)
-        return None if dev is None or dev == torch.device("cpu") else torch.device(dev)
-    raise TypeError(f"map_location of type {type(map_location).__name__} is not supported")
-
-
-def _is_ours(path: Any) -> bool:
-    """Whether ``path`` is a local file this module wrote (MCKP, or a reservation)."""
-    if not isinstance(path, (str, os.PathLike)):
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(RESERVED_MAGIC))
-    except OSError:
-        return False
-    return head[:4] == b"MCKP" or head == RESERVED_MAGIC
 
 
 _PATCH_LOCK = threading.Lock()
@@ -380,7 +138,7 @@ def load_from_checkpoint(cls: type[_M], path: str | os.PathLike[str], *,
     original = saving.pl_load
 
     def pl_load(src: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if _is_ours(src):
+        if is_ours(src):
             allow = allow_pickle if weights_only is None else not weights_only
             return load_checkpoint_file(src, map_location, allow_pickle=allow)
         return original(src, map_location=map_location, weights_only=weights_only)
@@ -413,55 +171,6 @@ def _parse_options(options: Any) -> dict[str, Any]:
     return dict(options)
 
 
-class _WriteThread(threading.Thread):
-    """The thread of one background write: a daemon (it never keeps an idle process alive)
-    whose ``stop()`` waits for its write, and which an ``atexit`` hook joins, so a pending
-    write always completes, even when nobody called ``teardown`` / ``wait``."""
-
-    def stop(self) -> None:
-        self.join()
-
-
-_LIVE: set[_WriteThread] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-@atexit.register
-def _join_writes_at_exit() -> None:
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for t in live:
-        t.join()
-
-
-class _Write:
-    """One background write: its thread, its outcome, and the reservation it holds."""
-
-    def __init__(self, path: str, reservation: int | None) -> None:
-        self.path = path
-        self.reservation = reservation
-        self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
-
-    def run(self, checkpoint: dict[str, Any], params: CodecParams, threads: int | None,
-            pickle_fallback: bool, durable: bool) -> None:
-        try:  # packing again is idempotent: it only counts the leaves packed on the caller
-            blob = _encode(checkpoint, params=params, threads=threads,
-                           pickle_fallback=pickle_fallback, fmt="lightning")
-            _write_file(self.path, blob, durable=durable)
-        except BaseException as err:  # raised by the next call on the training thread
-            self.error = err
-            log.error("background checkpoint write to %s failed: %s (raised as SaveFailed by "
-                      "the plugin's next call)", self.path, err, exc_info=err)
-            if self.reservation is not None and _same_file(self.reservation, self.path):
-                unlink_quiet(self.path)  # never leave a reservation of a failed write
-        finally:
-            if self.reservation is not None:
-                os.close(self.reservation)  # readers waiting on its lock go on
-            with _LIVE_LOCK:
-                _LIVE.discard(threading.current_thread())
-
-
 class MithrilCheckpointIO(CheckpointIO):
     """Compressed Lightning checkpoint files (see the module docstring for the contract)."""
 
@@ -479,7 +188,7 @@ class MithrilCheckpointIO(CheckpointIO):
         self.params = CodecParams(level=compression_level, byte_grouping=byte_grouping)
         self.threads = threads
         self.asynchronous = asynchronous
-        self._pending: _Write | None = None
+        self._pending: BackgroundWrite | None = None
         self._swept: set[str] = set()
 
     # ---------------------------------------------------------------- helpers
@@ -530,11 +239,11 @@ class MithrilCheckpointIO(CheckpointIO):
             checkpoint, _ = pack_objects(checkpoint)
         snap = snapshot(checkpoint)  # every tensor and array copied, or the call refused
         flatten_state(snap)  # unsupported types fail here, on the caller's thread
-        write = _Write(os.fspath(dst), _reserve(os.fspath(dst), durable=durable))
-        thread = _WriteThread(target=write.run, name="mithril-lightning-write", daemon=True,
+        write = BackgroundWrite(os.fspath(dst), reserve(os.fspath(dst), durable=durable))
+        thread = WriteThread(target=write.run, name="mithril-lightning-write", daemon=True,
                               args=(snap, params, self.threads, self.pickle_fallback, durable))
-        with _LIVE_LOCK:
-            _LIVE.add(thread)
+        with LIVE_LOCK:
+            LIVE.add(thread)
         write.thread = thread
         thread.start()
         self._pending = write

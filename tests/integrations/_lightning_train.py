@@ -54,8 +54,9 @@ def trainer(dirpath: Path, io: Any, *, max_steps: int = -1, max_epochs: int | No
 
 def _main(folder: str, mode: str, marker: str) -> None:
     import mithril_async.integrations.lightning as ml
+    import mithril_async.integrations.lightning_files as lf
 
-    original = ml.write_all
+    original = lf.write_all
 
     def stalling(fd: int, data: Any) -> None:
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
@@ -65,7 +66,7 @@ def _main(folder: str, mode: str, marker: str) -> None:
             time.sleep(600)  # the parent kills us here
         original(fd, data)
 
-    ml.write_all = stalling  # type: ignore[assignment]
+    lf.write_all = stalling  # type: ignore[assignment]
     torch.manual_seed(0)
     io = ml.MithrilCheckpointIO(asynchronous=mode == "async")
     trainer(Path(folder), io, max_steps=8, every_n_train_steps=2, save_top_k=-1,

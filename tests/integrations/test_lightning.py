@@ -26,6 +26,8 @@ import torch
 L = pytest.importorskip("lightning")
 
 import mithril_async.integrations.lightning as ml  # noqa: E402
+import mithril_async.integrations.lightning_files as lf  # noqa: E402
+import mithril_async.integrations.lightning_writes as lw  # noqa: E402
 from mithril_async.errors import (  # noqa: E402
     ConfigError,
     InvalidFormat,
@@ -55,14 +57,14 @@ def _names(folder: Path) -> list[str]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Hold every background encode until the test sets the event (no sleeps, no timing)."""
     release = threading.Event()
-    original = ml._encode
+    original = lw.encode_checkpoint
 
     def held(*args: Any, **kwargs: Any) -> bytes:
         if threading.current_thread() is not threading.main_thread():
             assert release.wait(60), "gate never released"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ml, "_encode", held)
+    monkeypatch.setattr(lw, "encode_checkpoint", held)
     yield release
     release.set()
 
@@ -206,12 +208,13 @@ def test_remove_of_in_flight_file_never_resurrects_it(tmp_path: Path,
 _EXIT_CHILD = """
 import sys, torch
 import mithril_async.integrations.lightning as ml
-encode = ml._encode
+import mithril_async.integrations.lightning_writes as lw
+encode = lw.encode_checkpoint
 def full_disk(checkpoint, **kwargs):  # fails the write of the checkpoint marked "fail"
     if "fail" in checkpoint:
         raise OSError(28, "No space left on device")
     return encode(checkpoint, **kwargs)
-ml._encode = full_disk
+lw.encode_checkpoint = full_disk
 ml.MithrilCheckpointIO(asynchronous=True).save_checkpoint({"fail": 1}, sys.argv[2])
 ml.MithrilCheckpointIO(asynchronous=True).save_checkpoint(
     {"w": torch.arange(1 << 20, dtype=torch.float32)}, sys.argv[1])
@@ -240,7 +243,7 @@ def test_teardown_raises_a_failed_write_unless_another_error_propagates(
     def boom(*_: Any, **__: Any) -> bytes:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ml, "_encode", boom)
+    monkeypatch.setattr(lw, "encode_checkpoint", boom)
     io = MithrilCheckpointIO(asynchronous=True)
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "a.ckpt")
     with pytest.raises(SaveFailed, match=r"a\.ckpt.*No space"):
@@ -265,7 +268,7 @@ def test_failed_background_write_is_raised_and_leaves_nothing(
 
     io = MithrilCheckpointIO(asynchronous=True)
     path = tmp_path / "x.ckpt"
-    monkeypatch.setattr(ml, "_encode", boom)
+    monkeypatch.setattr(lw, "encode_checkpoint", boom)
     io.save_checkpoint({"w": torch.ones(3)}, path)
     with pytest.raises(SaveFailed, match=r"x\.ckpt.*No space"):
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "next.ckpt")
@@ -368,10 +371,10 @@ class Opaque:
 
 def test_cleanup_removes_only_dead_writers_files(tmp_path: Path) -> None:
     """A temp file or reservation is removed only when no process holds its lock."""
-    live_fd, live_tmp = ml._locked_temp(str(tmp_path / "live.ckpt"))
-    dead_fd, dead_tmp = ml._locked_temp(str(tmp_path / "dead.ckpt"))
+    live_fd, live_tmp = lf.locked_temp(str(tmp_path / "live.ckpt"))
+    dead_fd, dead_tmp = lf.locked_temp(str(tmp_path / "dead.ckpt"))
     os.close(dead_fd)  # its writer is gone: the kernel dropped the lock
-    res_fd = ml._reserve(str(tmp_path / "reserved.ckpt"), durable=False)
+    res_fd = lf.reserve(str(tmp_path / "reserved.ckpt"), durable=False)
     assert res_fd is not None
     (tmp_path / "dead-res.ckpt").write_bytes(RESERVED_MAGIC + b"{}")  # nobody holds it
     (tmp_path / ".tmp-other.123.deadbeef").write_bytes(b"x")  # not ours: never touched
