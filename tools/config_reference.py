@@ -4,7 +4,7 @@ The docs site's "Configuration reference" page is this module's output, made at 
 by the mkdocs hook (tools/mkdocs_hooks.py), so it cannot drift from the code: every key of
 ``[checkpointing]`` and of each nested table, with its type, default, bounds and description.
 A field's description is its pydantic ``description`` and the ``#:`` comment written above
-it in the model's source (the convention of mithril_async/config.py).
+it in the model's source (the convention of mithril_async/config_models.py).
 
 ``python tools/config_reference.py`` prints the page.
 """
@@ -138,9 +138,9 @@ def render() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from the pydantic models of `mithril_async/config.py` when the site is "
-        "built (`tools/config_reference.py`): every key of the `[checkpointing]` tables with "
-        "its type, default and bounds. An unknown key or a value out of bounds raises "
+        "Generated from the pydantic models of `mithril_async/config_models.py` when the site "
+        "is built (`tools/config_reference.py`): every key of the `[checkpointing]` tables "
+        "with its type, default and bounds. An unknown key or a value out of bounds raises "
         "`ConfigError` naming it. A worked example of a whole file is in the "
         "[configuration guide](../CONFIG.md).",
         "",
