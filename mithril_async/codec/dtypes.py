@@ -50,6 +50,7 @@ __all__ = [
     "DTYPES",
     "DtypeInfo",
     "RawTensor",
+    "SizedByName",
     "as_torch",
     "dtype_info",
     "dtype_name",
@@ -85,8 +86,26 @@ class DtypeInfo:
         return _torch_dtypes().get(self.name)
 
 
+class SizedByName:
+    """``numel()`` / ``element_size()`` / ``nbytes`` of a tensor described by its stable
+    dtype name (``dtype``) and ``shape``, with no torch tensor at hand."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.element_size()
+
+
 @dataclass(frozen=True)
-class RawTensor:
+class RawTensor(SizedByName):
     """A tensor as bytes: a flat ``uint8`` array, its stable dtype name and its shape.
 
     What a process without torch holds of a tensor another process staged (a view of shared
@@ -104,16 +123,6 @@ class RawTensor:
         if self.data.size != math.prod(self.shape) * info.itemsize:
             raise ShapeMismatch(f"{self.data.size} bytes do not hold "
                                 f"{self.dtype}{list(self.shape)}")
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return DTYPES[self.dtype].itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.size)
 
 
 def _ml_dtype(name: str) -> np.dtype[Any] | None:

@@ -137,31 +137,19 @@ def _from_json(x: Any) -> Any:
     return x
 
 
-class _DataLoaderState:
-    """A torchtitan data loader as a per-rank JSON state (``get_state``/``set_state``).
+class _JsonState:
+    """A torchtitan state as a per-rank JSON state (``get_state``/``set_state``), saved by
+    every rank where a ``state_dict`` item would be rank 0's alone; ``exclude``: saved, not
+    loaded. Two kinds take this form:
 
-    torchtitan's loaders keep one position per data-parallel rank (``{"dp_rank_<r>": pickled
-    StatefulDataLoader state, "world_size": n}``); a JSON state is saved by every rank, where
-    a ``state_dict`` item would be rank 0's alone. The pickled bytes travel base64-encoded and
-    are given back to the loader as they were: loading them is the loader's own business, as
-    with torchtitan's DCP checkpoints."""
-
-    def __init__(self, loader: Any, exclude: bool) -> None:
-        self.loader, self.exclude = loader, exclude
-
-    def get_state(self) -> dict[str, Any]:
-        return {"torchtitan": _to_json(self.loader.state_dict())}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if not self.exclude and isinstance(state, dict) and "torchtitan" in state:
-            self.loader.load_state_dict(_from_json(state["torchtitan"]))
-
-
-class _ReplicatedState:
-    """A state every rank holds alike (the LR schedulers, the trainer's step) as a JSON state
-    of each rank, for a sharded model: a restore onto another world size gives each rank the
-    state of the saved rank of its number, or rank 0's (a ``state_dict`` item of every rank
-    would have no shard metadata to remap)."""
+    * a data loader: torchtitan's keep one position per data-parallel rank (``{"dp_rank_<r>":
+      pickled StatefulDataLoader state, "world_size": n}``). The pickled bytes travel
+      base64-encoded and are given back to the loader as they were: loading them is the
+      loader's own business, as with torchtitan's DCP checkpoints;
+    * a state every rank holds alike (the LR schedulers, the trainer's step) with a sharded
+      model: a restore onto another world size gives each rank the saved state of the rank of
+      its number, or rank 0's (a ``state_dict`` item of every rank would have no shard
+      metadata to remap)."""
 
     def __init__(self, obj: Any, exclude: bool) -> None:
         self.obj, self.exclude = obj, exclude
@@ -308,10 +296,8 @@ class MithrilCheckpointManager(BaseCheckpointManager):
             if obj is None:
                 continue
             face = {MODEL: self._model_state, OPTIMIZER: self._optim_state}.get(name, obj)
-            if name == DATALOADER:
-                state[name] = _DataLoaderState(obj, name in exclude)
-            elif self.sharded and name != MODEL and name != OPTIMIZER:
-                state[name] = _ReplicatedState(obj, name in exclude)
+            if name == DATALOADER or (self.sharded and name != MODEL and name != OPTIMIZER):
+                state[name] = _JsonState(obj, name in exclude)
             elif name in exclude and name != OPTIMIZER:
                 state[name] = _KeepLive(face)
             else:

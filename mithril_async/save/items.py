@@ -3,13 +3,12 @@ encode them against the previous version (:class:`EncodePlan`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from mithril_async.codec.dtypes import DTYPES
+from mithril_async.codec.dtypes import SizedByName
 from mithril_async.manifest import BaseRef
 from mithril_async.pipeline.blobs import TensorRef
 
@@ -44,7 +43,7 @@ class ChunkSource(Protocol):
 
 
 @dataclass
-class StreamedTensor:
+class StreamedTensor(SizedByName):
     """A live tensor a streamed snapshot copies out chunk by chunk (see StreamSnapshot).
 
     A streamed item's ``tensors`` are these (their ``dtype`` is the stable name): the
@@ -58,16 +57,6 @@ class StreamedTensor:
     dtype: str
     shape: tuple[int, ...]
     device: bool = False  # copied by the snapshot's device copier (CUDA), not on the CPU
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return DTYPES[self.dtype].itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel() * self.element_size()
 
     def fetch(self, lease: SlotLease, off: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return self.snap.fetch(lease, self, off, n)
