@@ -98,8 +98,8 @@ class PipelineConfig(StrictTable):
     #: training process (mithril_async/worker/: encoding, writes, commit and retention leave
     #: the training process, which keeps only the snapshot, staged in shared memory), or
     #: "inline", threads of the training process. Saves of a configuration a worker cannot
-    #: serve (the lossy tier, tiers, a store/coordinator/retention object passed to the
-    #: manager, a save streamed under host_memory_mib, no memfd_create) run inline when
+    #: serve (a store/coordinator/retention object passed to the manager, a platform
+    #: without memfd_create) run inline when
     #: "worker" is only the default (the manager logs why and says so in
     #: ``manager.process``), and are refused with a ConfigError when the key says "worker"
     #: (worker_required). The default is "worker" (a busy training thread and

@@ -144,7 +144,6 @@ class CheckpointManager:
         given = [what for what, obj in (("a store", store), ("a coordinator", own),
                                         ("a retention policy", retention))
                  if obj is not None and obj is not _UNSET]
-        keep_all = retention is None  # a worker keeps every version too
         _refuse_unserved_worker(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
         self.tiers = Tiers.of(self.config, remote=tier_remote)
@@ -153,6 +152,7 @@ class CheckpointManager:
                 store, runs_prefix, coordinator, on_save)
             self.cfg = cfg = self.config.checkpointing
             retention = None if retention is _UNSET else retention
+        keep_all = retention is None  # a worker keeps every version too (tiers: their own)
         if coordinator is None:  # torch.distributed with >1 rank: coordinate over gloo
             world = dist_world()
             coordinator = (DistCoordinator() if world is not None and world[1] > 1
@@ -261,7 +261,7 @@ class CheckpointManager:
         self._ctx.ring_alloc = arena.buffer  # a streamed save's slots, filled here
         self._worker = WorkerClient(self._ctx, arena, run_id=self.run_id,
                                     runs_prefix=runs_prefix, sharded_model=sharded_model,
-                                    keep_all=keep_all)
+                                    keep_all=keep_all, tiers=self.tiers)
         return "worker"
 
     def _start_worker(self) -> None:

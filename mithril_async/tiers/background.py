@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -47,6 +48,7 @@ class Background:
         #: version id -> what that version reached
         self.results: dict[str, TierResult] = {}
         self._last: concurrent.futures.Future[None] | None = None
+        self._queueing = threading.Lock()
         #: newest versions this process saw complete on the remote / replica tier
         self.newest_remote: str | None = None
         self.newest_replicated: str | None = None
@@ -68,15 +70,16 @@ class Background:
 
     def queue(self, job: Callable[[], Awaitable[None]]) -> concurrent.futures.Future[None]:
         """Run ``job()`` on the tier loop once every job queued before it ended."""
-        prev = self._last
+        with self._queueing:  # a worker's answer queues from the channel's thread
+            prev = self._last
 
-        async def after() -> None:
-            if prev is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.wrap_future(prev)
-            await job()
+            async def after() -> None:
+                if prev is not None:
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wrap_future(prev)
+                await job()
 
-        self._last = fut = self.loop.submit(after())
+            self._last = fut = self.loop.submit(after())
         return fut
 
     def wait(self, timeout: float | None = None) -> list[TierResult]:

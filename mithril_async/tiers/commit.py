@@ -17,17 +17,20 @@ wraps the usual coordinator and adds, at each step:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from mithril_async.distributed import DistCoordinator
+from mithril_async.catalog import RunCatalog
 from mithril_async.errors import KeyExists, KeyNotFound, StorageError
+from mithril_async.layout import RunLayout
 from mithril_async.manifest import VersionManifest, parse_model
 from mithril_async.pipeline.coordinator import Coordinator, GroupBacked, Outcome, RankPart
 from mithril_async.storage.base import Store
 from mithril_async.tiers.node_store import NodeStore
+from mithril_async.tiers.numbering import claim_above
 from mithril_async.tiers.write_once import put_once
 
 
@@ -56,6 +59,25 @@ class VersionMeta:
     def parsed(self) -> VersionManifest:
         return parse_model(VersionManifest, self.manifest, self.manifest_key)
 
+    def to_doc(self) -> dict[str, str | None]:
+        """As JSON (the bytes in base64): what crosses the checkpoint workers' links."""
+        return {"manifest_key": self.manifest_key,
+                "manifest": base64.b64encode(self.manifest).decode(),
+                "config_key": self.config_key,
+                "config": None if self.config is None else base64.b64encode(self.config).decode()}
+
+    @classmethod
+    def of_doc(cls, doc: Any) -> VersionMeta:
+        """The inverse of :meth:`to_doc`; anything else is a :class:`StorageError`."""
+        try:
+            conf = doc["config"]
+            return cls(str(doc["manifest_key"]), base64.b64decode(doc["manifest"], validate=True),
+                       None if doc["config_key"] is None else str(doc["config_key"]),
+                       None if conf is None else base64.b64decode(conf, validate=True))
+        except (KeyError, TypeError, ValueError) as err:
+            raise StorageError(f"tier local: no valid version manifest was sent "
+                               f"({type(err).__name__}: {err})") from None
+
 
 async def write_meta(store: Store, meta: VersionMeta, tier: str) -> None:
     """The run's config file and the version's manifest (manifest last) into ``store``. The
@@ -79,6 +101,42 @@ def part_sizes(p: RankPart) -> dict[str, int]:
     if p.rng_key is not None and p.rng_bytes is not None:
         out[p.rng_key] = p.rng_bytes
     return out
+
+
+class NodeCommit:
+    """The node folder's part of a commit, run where the save runs (the training process, or
+    its checkpoint worker): rank 0's claim above the tiers' ``floor``, and after a committed
+    verdict the node lead's manifest and ``latest_local`` (``committed``: the last version's
+    :class:`VersionMeta`, for the background work that follows it)."""
+
+    def __init__(self, store: NodeStore, run: RunLayout | None, lead: bool) -> None:
+        self.store = store
+        self.run = run
+        self.lead = lead
+        #: the highest version number any tier held when last pooled: claims go above it
+        self.floor = 0
+        self.committed: VersionMeta | None = None
+
+    async def claim(self, claim: Callable[[], Awaitable[int]]) -> int:
+        if not self.floor:
+            return await claim()
+        assert self.run is not None, "the run's layout is set before any save"
+        return await claim_above(self.store, self.run, self.floor, claim)
+
+    async def commit_local(self, meta: VersionMeta) -> None:
+        assert self.run is not None, "the run's layout is set before any save"
+        if self.lead:
+            await write_meta(self.store.local, meta, "local")
+            await RunCatalog(self.store.local, self.run).move_alias(
+                "latest_local", meta.parsed(), meta.manifest_key)
+        self.committed = meta
+
+
+@runtime_checkable
+class Broadcasts(Protocol):
+    """A coordinator that sends rank 0's value to every rank (the tier manifest rides on it)."""
+
+    async def broadcast(self, value: Any, what: str = "broadcast") -> Any: ...
 
 
 class CommitHooks(Protocol):
@@ -136,18 +194,18 @@ class TierCoordinator:
             self.hooks.store.reported = {}
         if not out.committed or out.manifest_key is None:
             return out
-        meta: VersionMeta | str | None = None
+        sent: dict[str, Any] | str | None = None
         if self.rank == 0:
             try:
-                meta = await VersionMeta.read(self.hooks.store, out.manifest_key)
+                sent = (await VersionMeta.read(self.hooks.store, out.manifest_key)).to_doc()
             except Exception as err:  # every rank must still leave the broadcast alike
-                meta = (f"rank 0 could not read {out.manifest_key} back: "
+                sent = (f"rank 0 could not read {out.manifest_key} back: "
                         f"{type(err).__name__}: {err}")
-        if isinstance(self.inner, DistCoordinator):
-            meta = await self.inner.broadcast(meta, "tier_manifest")
-        if not isinstance(meta, VersionMeta):
-            raise StorageError(f"tier local: {meta}")
-        await self.hooks.commit_local(meta)
+        if isinstance(self.inner, Broadcasts):
+            sent = await self.inner.broadcast(sent, "tier_manifest")
+        if not isinstance(sent, dict):
+            raise StorageError(f"tier local: {sent}")
+        await self.hooks.commit_local(VersionMeta.of_doc(sent))
         return out
 
     def close(self) -> None:

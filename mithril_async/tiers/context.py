@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import InvalidFormat
@@ -23,7 +23,9 @@ from mithril_async.storage.local import LocalStore
 from mithril_async.tiers.config import TiersConfig
 from mithril_async.tiers.node_store import NodeStore
 from mithril_async.tiers.topology import NodeMap
-from mithril_async.tiers.transport import Link, Payload
+
+if TYPE_CHECKING:  # the link's module imports torch; a checkpoint worker imports this one
+    from mithril_async.tiers.transport import Link, Payload
 
 
 @dataclass
@@ -84,15 +86,20 @@ class TierContext:
         return await asyncio.to_thread(self.link.exchange, sends, recvs, what)
 
     async def folders(self, store: Store) -> list[str]:
-        """Names of the version folders ``store`` holds, complete or not: one LIST with a
-        delimiter (a remote bucket: one request per 1000 versions, no key of any blob)."""
-        out = []
-        for name in (await store.list_dir(self.run.versions_prefix)).dirs:
-            with contextlib.suppress(InvalidFormat):
-                out.append(version_id(version_number(name)))
-        return sorted(out)
+        """Names of the version folders ``store`` holds (:func:`version_folders`)."""
+        return await version_folders(store, self.run)
 
     async def versions(self, store: Store) -> list[str]:
         """Versions whose manifest ``store`` holds (a node folder: one walk)."""
         keys = await store.list(self.run.versions_prefix)
         return sorted({k.split("/")[-2] for k in keys if k.endswith("/manifest.json")})
+
+
+async def version_folders(store: Store, run: RunLayout) -> list[str]:
+    """Names of the version folders of ``run`` that ``store`` holds, complete or not: one LIST
+    with a delimiter (a remote bucket: one request per 1000 versions, no key of any blob)."""
+    out = []
+    for name in (await store.list_dir(run.versions_prefix)).dirs:
+        with contextlib.suppress(InvalidFormat):
+            out.append(version_id(version_number(name)))
+    return sorted(out)

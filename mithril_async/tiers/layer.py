@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, cast
 
-from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import ConfigError, StorageError
@@ -43,13 +42,13 @@ from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
 from mithril_async.tiers.background import Background
-from mithril_async.tiers.commit import TierCoordinator, VersionMeta, write_meta
+from mithril_async.tiers.commit import NodeCommit, TierCoordinator, VersionMeta
 from mithril_async.tiers.config import TiersConfig, check_local_root
 from mithril_async.tiers.context import TierContext
 from mithril_async.tiers.fetch import Recovery
 from mithril_async.tiers.files import files_to_restore
 from mithril_async.tiers.node_store import NodeStore
-from mithril_async.tiers.numbering import claim_above, top_number
+from mithril_async.tiers.numbering import top_number
 from mithril_async.tiers.recovery import FilesOf
 from mithril_async.tiers.restore import recover, repair, settle, undo, write_back
 from mithril_async.tiers.results import TierResult
@@ -109,9 +108,8 @@ class Tiers:
         #: :meth:`recover`, without fsync: every read of them is verified against the
         #: manifest, so a copy torn by a power loss is only fetched again
         self._hydrate = LocalStore(root, durable=False)
-        #: the highest version number any rank's tiers showed when the manager was attached
-        #: or at the last recovery: rank 0 numbers the next save above it
-        self.floor = 0
+        #: the node folder's part of each commit (rank 0's claim, the node lead's manifest)
+        self.node = NodeCommit(self.ctx.store, None, self.ctx.lead)
         #: after a recovery: where each file this rank needed came from
         self.last_sources: dict[str, Source] = {}
         #: after a recovery: seconds from its start to the end of each phase
@@ -159,6 +157,21 @@ class Tiers:
         return self.ctx.root
 
     @property
+    def floor(self) -> int:
+        """The highest version number any rank's tiers showed when the manager was attached
+        or at the last recovery: rank 0 numbers the next save above it."""
+        return self.node.floor
+
+    @floor.setter
+    def floor(self, value: int) -> None:
+        self.node.floor = value
+
+    @property
+    def lead(self) -> bool:
+        """This process keeps its node folder's books (``TierContext.lead``)."""
+        return self.ctx.lead
+
+    @property
     def results(self) -> dict[str, TierResult]:
         """Every version committed so far by id: which tiers it reached."""
         return self.background.results
@@ -192,7 +205,7 @@ class Tiers:
         highest version folder any tier holds (the first save is numbered above it). The
         tiers close if it fails."""
         self._manager = manager
-        self.ctx.layout = manager.layout
+        self.ctx.layout = self.node.run = manager.layout
         try:
             self.floor = max(self.floor, self._loop.run(top_number(self.ctx)))
         except BaseException:
@@ -202,9 +215,7 @@ class Tiers:
     # ------------------------------------------------------------------ commit hooks
     async def claim(self, claim: Callable[[], Awaitable[int]]) -> int:
         """Rank 0's version claim, above the tiers' floor."""
-        if not self.floor:
-            return await claim()
-        return await claim_above(self.ctx, self.floor, claim)
+        return await self.node.claim(claim)
 
     async def commit_local(self, meta: VersionMeta) -> None:
         """Every rank, after the verdict: the node lead writes the manifest into its node
@@ -212,11 +223,14 @@ class Tiers:
         m = meta.parsed()
         # before the manifest lands here: retention must see it as still to be copied
         self.background.pending.add(m.version_id)
-        if self.ctx.lead:
-            await write_meta(self.store.local, meta, "local")
-            await RunCatalog(self.store.local, self.ctx.run).move_alias(
-                "latest_local", m, meta.manifest_key)
+        await self.node.commit_local(meta)
         self.background.committed(meta, m)
+
+    def committed_by_worker(self, meta: VersionMeta) -> None:
+        """A save the checkpoint worker committed on the node folder (its :class:`NodeCommit`
+        wrote what :meth:`commit_local` writes): queue the version's background work here,
+        where the tier group is."""
+        self.background.committed(meta, meta.parsed())
 
     def wait(self, timeout: float | None = None) -> list[TierResult]:
         """Wait for the background tier work of every save (and write-back) so far."""

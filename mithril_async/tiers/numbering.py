@@ -16,8 +16,10 @@ from collections.abc import Awaitable, Callable
 
 from mithril_async.catalog import RunCatalog
 from mithril_async.errors import KeyExists, StorageError
+from mithril_async.layout import RunLayout
 from mithril_async.manifest import version_number
-from mithril_async.tiers.context import TierContext
+from mithril_async.storage.base import Store
+from mithril_async.tiers.context import TierContext, version_folders
 
 
 async def top_number(ctx: TierContext) -> int:
@@ -41,22 +43,22 @@ async def top_number(ctx: TierContext) -> int:
     return max(t for t, _ in got)
 
 
-async def claim_above(ctx: TierContext, floor: int, claim: Callable[[], Awaitable[int]]
-                      ) -> int:
-    """Rank 0's version claim, above ``floor``: while its node folder holds no folder that
-    high, a claim of ``floor``'s number is held during the save's claim (so the claim goes
-    above it) and dropped after."""
+async def claim_above(store: Store, run: RunLayout, floor: int,
+                      claim: Callable[[], Awaitable[int]]) -> int:
+    """Rank 0's version claim in its node folder ``store``, above ``floor``: while the folder
+    holds no folder that high, a claim of ``floor``'s number is held during the save's claim
+    (so the claim goes above it) and dropped after."""
     n = floor
     held: bytes | None = None
-    mine = [version_number(v) for v in await ctx.folders(ctx.store)]
+    mine = [version_number(v) for v in await version_folders(store, run)]
     if max(mine, default=0) < n:
         with contextlib.suppress(KeyExists):
-            held = await RunCatalog(ctx.store, ctx.run).claim_number(n)
+            held = await RunCatalog(store, run).claim_number(n)
     try:
         return int(await claim())
     finally:
         if held is not None:
-            key = ctx.run.claim_key(n)
+            key = run.claim_key(n)
             with contextlib.suppress(Exception):
-                if await ctx.store.get(key) == held:
-                    await ctx.store.delete(key)
+                if await store.get(key) == held:
+                    await store.delete(key)

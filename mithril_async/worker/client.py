@@ -44,7 +44,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from mithril_async.config import Config
 from mithril_async.errors import WorkerExited
@@ -53,6 +54,7 @@ from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
 from mithril_async.save.stream import StreamSnapshot
+from mithril_async.tiers.commit import VersionMeta
 from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import MAX_FDS, Channel, ChannelClosed
 from mithril_async.worker.handoff import (
@@ -91,13 +93,17 @@ class WorkerClient:
     """One trainer's checkpoint worker (see the module docstring)."""
 
     def __init__(self, ctx: SaveContext, arena: SharedArena, *, run_id: str,
-                 runs_prefix: str, sharded_model: bool, keep_all: bool = False) -> None:
+                 runs_prefix: str, sharded_model: bool, keep_all: bool = False,
+                 tiers: NodeTiers | None = None) -> None:
         self.ctx = ctx
         self.arena = arena
+        self.tiers = tiers
         self._init = {"config": config_doc(ctx.config), "run_id": run_id,
                       "runs_prefix": runs_prefix, "rank": ctx.rank,
                       "world_size": ctx.world_size, "sharded_model": sharded_model,
                       "keep_all": keep_all, "items": list(ctx.state)}
+        if tiers is not None:  # the worker saves into the node folder
+            self._init["tiers"] = {"root": str(tiers.root), "lead": tiers.lead}
         #: several ranks: where rank 0's workers listen (agreed by every rank now, a
         #: collective) and, on rank 0, the listening socket each of its workers is handed
         self._listener: socket.socket | None = None
@@ -342,6 +348,8 @@ class WorkerClient:
                 chain.base_idx = base
         if answer.get("steps") is not None:
             self.ctx.steps = {int(s) for s in answer["steps"]}
+        if self.tiers is not None and answer.get("tier_meta") is not None:
+            self.tiers.committed_by_worker(VersionMeta.of_doc(answer["tier_meta"]))
 
     @staticmethod
     def _cancel(channel: Channel, step: int) -> None:
@@ -410,7 +418,8 @@ class WorkerClient:
                 "json_states": snap.json_states, "rng": snap.rng,
                 "pieces": pieces_doc(snap.pieces), "overlap": snap.overlap is not None,
                 "roles": snap.roles,
-                "stream": stream}
+                "stream": stream,
+                "tier_floor": None if self.tiers is None else self.tiers.floor}
 
     def _place(self, what: str, buffer: Any) -> list[int]:
         at = self.arena.locate(buffer)
@@ -474,10 +483,27 @@ class WorkerClient:
 def worker_unsupported(config: Config) -> str | None:
     """Why saves of this configuration cannot run in a worker (None: they can), naming the
     key or platform feature at fault. (Objects passed to the manager are decided by the
-    manager.)"""
-    cfg = config.checkpointing
+    manager; every key of the configuration is served.)"""
+    del config
     if not hasattr(os, "memfd_create"):
         return "this platform has no memfd_create (the staged snapshot's shared memory)"
-    if cfg.tiers is not None:
-        return "tiers ([checkpointing.tiers]) replicate over the training process's groups"
     return None
+
+
+class NodeTiers(Protocol):
+    """What a worker's saves need of the trainer's tier layer
+    (:class:`~mithril_async.tiers.layer.Tiers`): the node folder the worker writes into,
+    whether this rank keeps its books, the floor its claims go above; and, once the worker
+    committed a version there, the replication and upload that follow it on the trainers'
+    tier group."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def lead(self) -> bool: ...
+
+    @property
+    def floor(self) -> int: ...
+
+    def committed_by_worker(self, meta: VersionMeta) -> None: ...

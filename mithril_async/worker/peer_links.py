@@ -65,6 +65,7 @@ def rendezvous(coordinator: Coordinator) -> tuple[dict[str, Any], socket.socket 
     listening socket, to hand to each worker it starts and close when it is done."""
     from mithril_async.distributed import DistCoordinator
 
+    coordinator = getattr(coordinator, "inner", coordinator)  # a layer's wrapper (the tiers)
     if not isinstance(coordinator, DistCoordinator):
         raise DistributedError("checkpoint workers of several ranks need the manager's own "
                                f"torch.distributed coordinator, not {type(coordinator).__name__}")

@@ -15,7 +15,8 @@ secret). A save's steps are then messages: ``agree`` (rank 0 to all: the version
 number, or why there is none), ``part`` (to rank 0, without piece layouts), ``want`` (rank 0
 to all: the layouts it lacks, each from the lowest rank naming it, as
 :class:`~mithril_async.distributed.DistCoordinator` gathers them), ``layouts`` (to rank 0),
-``outcome`` (rank 0 to all).
+``outcome`` (rank 0 to all), then what a layer commits along with the save (``value``,
+rank 0 to all: the tier manifest).
 
 Pairing: rank 0 names each save with a fresh token in its ``agree`` message and every later
 message of that save carries it; a rank takes the ``agree`` of the step it is saving and drops
@@ -517,10 +518,30 @@ class PeerCoordinator:
         await asyncio.gather(*(c.flush(self.timeout_s) for c in conns), return_exceptions=True)
         return outcome
 
+    async def broadcast(self, value: Any, what: str = "broadcast") -> Any:
+        """Every rank returns rank 0's ``value`` (JSON; other ranks pass anything), sent
+        within the save in flight: what a layer commits along with it after the outcome
+        (the tier manifest), as :meth:`DistCoordinator.broadcast` sends it on the trainers'
+        group."""
+        run = self._run
+        if run is None:
+            raise self._fail(what, "no save of this worker is in flight")
+        if self.rank != 0:
+            msg = await self._until(what, self._reply(run, "value"), lambda: f"rank 0's {what}")
+            return msg.get("value")
+        conns = list(run.via.values())
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.post({"op": "value", "save": run.token, "value": value})
+        await asyncio.gather(*(c.flush(self.timeout_s) for c in conns), return_exceptions=True)
+        return value
+
 
 def save_scope(coordinator: Coordinator, step: int) -> AbstractAsyncContextManager[None]:
-    """What a worker runs one save in: :meth:`PeerCoordinator.save` for a group of workers,
-    nothing for any other coordinator."""
-    if isinstance(coordinator, PeerCoordinator):
-        return coordinator.save(step)
+    """What a worker runs one save in: :meth:`PeerCoordinator.save` for a group of workers
+    (also when a layer wraps it, keeping it as ``inner``: the tier commit), nothing for any
+    other coordinator."""
+    inner = getattr(coordinator, "inner", coordinator)
+    if isinstance(inner, PeerCoordinator):
+        return inner.save(step)
     return contextlib.nullcontext()

@@ -2,7 +2,9 @@
 
 Started by a training process's manager (``python -m mithril_async.worker``, never a fork
 or a re-import of the training script), it builds from the run's configuration what the
-pipeline needs (store, catalog, codec pool, encoder, delta chains, retention) and then, for
+pipeline needs (store, catalog, codec pool, encoder, delta chains, retention) (with
+``[checkpointing.tiers]``: the node folder and the node's part of the tier commit, the
+background replication and upload staying with the trainer's tier layer) and then, for
 each save the trainer hands over, runs :class:`~mithril_async.save.job.SaveJob` on a snapshot
 that lies in the trainer's shared staging memory (mapped here, never copied): version
 agreement and claim, encoding, writes (disk, S3), the commit, aliases and retention. On
@@ -33,6 +35,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from mithril_async.catalog import RunCatalog
@@ -50,6 +53,10 @@ from mithril_async.save.buffers import BufferSet
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
 from mithril_async.save.snapshot import HandedOff
+from mithril_async.storage.base import Store
+from mithril_async.storage.local import LocalStore
+from mithril_async.tiers.commit import NodeCommit, TierCoordinator
+from mithril_async.tiers.node_store import NodeStore
 from mithril_async.worker.channel import Channel
 from mithril_async.worker.handoff import (
     config_of,
@@ -85,6 +92,8 @@ class WorkerServer:
         self.segments = SegmentMap()
         self.loop: BackgroundLoop | None = None
         self.ctx: SaveContext | None = None
+        #: with tiers: the node folder's part of each commit (what a save hands back)
+        self.node: NodeCommit | None = None
         self.busy = 0
         self.gone = threading.Event()
         #: the save in flight's stand-in for the trainer's overlapped copy, and a verdict on
@@ -141,7 +150,12 @@ class WorkerServer:
         config: Config = config_of(args["config"])
         cfg = config.checkpointing
         rank, world = int(args["rank"]), int(args["world_size"])
-        store, prefix = open_run_store(cfg)
+        tiers = args.get("tiers")
+        store: Store
+        if tiers is not None:  # the node folder, as the trainer's tier layer has it
+            store, prefix = NodeStore(LocalStore(Path(str(tiers["root"])))), "runs"
+        else:
+            store, prefix = open_run_store(cfg)
         layout = RunLayout(args.get("runs_prefix") or prefix, str(args["run_id"]))
         catalog = RunCatalog(store, layout, claim_stale_s=cfg.pipeline.claim_stale_s)
         threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
@@ -152,6 +166,9 @@ class WorkerServer:
             listener = socket.socket(fileno=fds[0]) if rank == 0 else None
             coordinator = PeerCoordinator(rank, world, args["peers"], listener)
             self.loop.run(coordinator.start())
+        if isinstance(store, NodeStore):  # and the node folder's part of each commit
+            self.node = NodeCommit(store, layout, bool(tiers and tiers.get("lead")))
+            coordinator = TierCoordinator(coordinator, self.node)
         self.ctx = SaveContext.for_run(
             # the state's item names (what a rank's discard of an aborted save removes)
             config, dict.fromkeys(args.get("items") or ()), store, layout, catalog,
@@ -182,6 +199,8 @@ class WorkerServer:
                     tensors[tname] = self.segments.view(at, dtype, shape)
                 items[name] = {"skeleton": item["skeleton"], "area": int(item["area"]),
                                "tensors": tensors}
+            if self.node is not None:
+                self.node.floor, self.node.committed = int(args.get("tier_floor") or 0), None
             overlap = _OverlapGate() if args.get("overlap") else None
             self._overlap = overlap
             if overlap is not None and self._early is not None:
@@ -231,6 +250,10 @@ class WorkerServer:
         assert self.ctx is not None
         out: dict[str, Any] = {"result": result_doc(res), "chains": self._chains(),
                                "steps": sorted(self.ctx.steps or ())}
+        if self.node is not None and self.node.committed is not None:
+            # committed on the node folder (even if cancelled after): the trainer's tiers
+            # replicate and upload it
+            out["tier_meta"] = self.node.committed.to_doc()
         if error is not None:
             out["error"] = error_doc(error)
         if cancelled:

@@ -79,7 +79,8 @@ def _manager(a: dict[str, Any], net: Net, opt: torch.optim.Optimizer
     """A manager of the sharded state through the tiers ``a`` describes; its remote tier
     counts the GETs reaching it."""
     cfg = parse_config('[checkpointing]\nruns_path = "runs"\nrun_id = "elastic"\n'
-                       "ckpting_save_iter = 1\n[checkpointing.compression]\nthreads = 1\n"
+                       "ckpting_save_iter = 1\n[checkpointing.pipeline]\n"
+                       'process = "worker"\n[checkpointing.compression]\nthreads = 1\n'
                        "chunk_mib = 0.0001\n")
     remote = None
     if a.get("bucket") is not None:
@@ -88,8 +89,10 @@ def _manager(a: dict[str, Any], net: Net, opt: torch.optim.Optimizer
     table = {"local": a["local"], "replicas": a["replicas"], "keep_local": 2,
              "keep_replicated": 2, "commit_timeout_s": 60, "upload": remote is not None}
     state = {"model": ShardedModel(net), "optimizer": ShardedOptimizer(net, opt)}
-    return CheckpointManager(tier_config(table, cfg), state, tier_remote=remote,
-                             sharded_model=True), remote
+    mgr = CheckpointManager(tier_config(table, cfg), state, tier_remote=remote,
+                            sharded_model=True)
+    assert mgr.process == "worker"  # the tiers are served there, not run inline instead
+    return mgr, remote
 
 
 def _tiers(mgr: CheckpointManager) -> Tiers:

@@ -68,6 +68,7 @@ class CountingStore:
 def _toml(a: dict[str, Any], rank: int) -> Path:
     """This rank's config file: the run, its tiers and (with a bucket) the remote tier."""
     text = (f'[checkpointing]\nruns_path = "runs"\nrun_id = "tiered"\nckpting_save_iter = 1\n'
+            f'[checkpointing.pipeline]\nprocess = "worker"\n'  # saves in a checkpoint worker
             f"[checkpointing.compression]\nthreads = 1\n"
             f"enabled = {str(a['compress']).lower()}\n"
             f'[checkpointing.tiers]\nlocal = "{a["local"]}"\nreplicas = {a.get("replicas", 1)}\n'
@@ -88,7 +89,9 @@ def _counted(a: dict[str, Any], rank: int, state: dict[str, Any]
     if a.get("bucket") is not None:
         remote = CountingStore(open_store({"bucket": a["bucket"], "prefix": a["prefix"],
                                            "endpoint_url": a["endpoint"], "max_attempts": 2}))
-    return CheckpointManager(load_config(_toml(a, rank)), state, tier_remote=remote), remote
+    mgr = CheckpointManager(load_config(_toml(a, rank)), state, tier_remote=remote)
+    assert mgr.process == "worker"  # the tiers are served there, not run inline instead
+    return mgr, remote
 
 
 class _UnreadableFile:

@@ -229,7 +229,6 @@ def test_an_explicit_worker_refuses_what_a_worker_cannot_serve(tmp_path: Path) -
     threads = {t.ident for t in threading.enumerate()}
     model = make_model()
     refused = [
-        (cfg(tiers={"local": str(tmp_path / "node")}), {}, r"\[checkpointing.tiers\]"),
         (cfg(), {"store": LocalStore(tmp_path), "runs_prefix": "runs"}, "a store"),
         (cfg(), {"retention": KeepLastN(2)}, "a retention policy"),
     ]
