@@ -439,8 +439,9 @@ def main() -> None:
             managers.append(mgr)
 
             def run() -> Any:
-                decoded = mgr._bg(mgr._reader.read_version("latest", rank=0, world_size=1))
-                return mgr._apply(decoded, "all")
+                decoded = mgr._bg(mgr.restorer.reader.read_version("latest", rank=0,
+                                                                    world_size=1))
+                return mgr.restorer.apply(decoded, "all")
 
             return run
 

@@ -56,15 +56,12 @@ if TYPE_CHECKING:
         parse_config,
     )
     from mithril_async.distributed import DistCoordinator
-    from mithril_async.manager import (
-        CheckpointManager,
-        RestoreResult,
-        ResumeReport,
-    )
+    from mithril_async.manager import CheckpointManager
     from mithril_async.pipeline.results import (
         SaveHandle,
         SaveResult,
     )
+    from mithril_async.restore.apply import RestoreResult, ResumeReport
     from mithril_async.retention import (
         KeepAny,
         KeepBestN,
@@ -93,8 +90,8 @@ _LAZY: dict[str, str] = {
     "KeepEveryNSteps": "mithril_async.retention",
     "KeepLastN": "mithril_async.retention",
     "Policy": "mithril_async.retention",
-    "RestoreResult": "mithril_async.manager",
-    "ResumeReport": "mithril_async.manager",
+    "RestoreResult": "mithril_async.restore.apply",
+    "ResumeReport": "mithril_async.restore.apply",
     "SaveHandle": "mithril_async.pipeline.results",
     "SaveResult": "mithril_async.pipeline.results",
     "Store": "mithril_async.storage.base",

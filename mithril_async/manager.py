@@ -31,8 +31,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-import torch
-
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig, Config, load_config, with_absolute_paths
 from mithril_async.current_run import resolve_run_id
@@ -41,11 +39,9 @@ from mithril_async.errors import (
     ConfigError,
     DistributedError,
     InvalidFormat,
-    RestoreIncomplete,
     SaveFailed,
     SaveInProgress,
     StepAlreadyExists,
-    VersionNotFound,
 )
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.listeners import Listener, ResultListeners
@@ -53,10 +49,15 @@ from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.plain_state import PlainEntry, bind_state
+from mithril_async.plain_state import bind_state
 from mithril_async.preemption import Preemption
-from mithril_async.restore.reader import DecodedVersion, VersionReader
-from mithril_async.restore.targets import live_targets, loaded_in_place
+from mithril_async.restore.apply import (  # noqa: F401  (ResumeReport: re-exported)
+    LiveRestore,
+    OnReshard,
+    RestoreResult,
+    ResumeReport,
+)
+from mithril_async.restore.reader import VersionReader
 from mithril_async.retention import Policy, from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
@@ -73,11 +74,7 @@ from mithril_async.save.waiting import (
     run_blocking,
 )
 from mithril_async.state import (
-    Stateful,
     default_on_reshard,
-    flatten_state,
-    reseed_rng,
-    restore_rng,
 )
 from mithril_async.storage.base import Store
 from mithril_async.tiers.layer import Tiers
@@ -192,8 +189,12 @@ class CheckpointManager:
         self._worker: WorkerClient | None = None
         self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
                                                keep_all)
-        self._reader = VersionReader(self.catalog, pool=self._pool,
-                                     inflight_mib=cfg.pipeline.max_inflight_mib)
+        #: restores into the live state (read through the one reader, then applied)
+        self.restorer = LiveRestore(
+            self.state, cfg, VersionReader(self.catalog, pool=self._pool,
+                                           inflight_mib=cfg.pipeline.max_inflight_mib),
+            self.layout, rank=self.rank, world_size=self.world_size, saves=self._ctx,
+            guard=lambda: self._guard, worker=self._worker)
         self._loop: BackgroundLoop | None = None
         #: the last save's handle (its future: the save in flight), until its outcome has
         #: been taken; ``error_seen`` says whether its caller already saw its error
@@ -205,7 +206,7 @@ class CheckpointManager:
         #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
         self._guard: StepGuard | None = None
         if self.tiers is not None:  # collective: saves are numbered above every tier's folders
-            self.tiers.attach(self)
+            self.tiers.attach(self.restorer)
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
         self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
@@ -660,9 +661,9 @@ class CheckpointManager:
             return await asyncio.to_thread(self.restore_sync, target, fallback=fallback,
                                            load=load, on_reshard=on_reshard, verify=verify)
         loop = self._started(maintain=False)
-        decoded = await asyncio.wrap_future(loop.submit(self._read(target, fallback, load,
-                                                                   verify)))
-        return self._apply(decoded, load, on_reshard)
+        decoded = await asyncio.wrap_future(loop.submit(self.restorer.read(target, fallback,
+                                                                           load, verify)))
+        return self.restorer.apply(decoded, load, on_reshard)
 
     def restore_sync(self, target: str | int = "latest", *, fallback: bool = False,
                      load: Literal["all", "model"] = "all",
@@ -672,120 +673,10 @@ class CheckpointManager:
             raise ConfigError('restore(load="model") loads the state\'s "model" entry, and '
                               f"this manager's state has none (it has: {', '.join(self.state)})")
         if self.tiers is not None:  # each file from the fastest tier holding it, then read
-            return self.tiers.restore(target, load, fallback, lambda vid: self._apply(
-                self._bg(self._read(vid, False, load, verify)), load, on_reshard))
-        decoded = self._bg(self._read(target, fallback, load, verify))
-        return self._apply(decoded, load, on_reshard)
-
-    async def _read(self, target: str | int, fallback: bool, load: str,
-                    verify: str | None = None) -> DecodedVersion:
-        # per-rank RNG/data state is not restored for a model-only load
-        if self._guard is not None:  # a copy still reading the live tensors finishes first
-            await asyncio.get_running_loop().run_in_executor(None, self._guard.wait)
-        return await self._reader.read_version(
-            target, rank=self.rank, world_size=self.world_size, fallback=fallback,
-            items={"model"} if load == "model" else None, rng=load != "model",
-            all_rank_states=any(not isinstance(obj, Stateful) for obj in self.state.values()),
-            reshard=self.reshard_targets, in_place=self._in_place_targets,
-            verify=verify or self.cfg.restore.verify)
-
-    def _in_place_targets(self, item: str) -> Mapping[str, Any] | None:
-        """The live tensors of a (not sharded) item by stored name, to decode straight into:
-        those of its state_dict() proven to share storage with its live parameters, buffers
-        or optimizer state (a state dict may hold copies: those are decoded into fresh
-        tensors and loaded)."""
-        obj = self.state.get(item)
-        if not isinstance(obj, Stateful) or hasattr(obj, "reshard_targets"):
-            return None
-        if item == "optimizer" and not self.cfg.resume_optimizer:
-            return None
-        return live_targets(obj, flatten_state(obj.state_dict())[1])
-
-    def reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
-        """Where a restore from pieces writes ``item`` on this rank (sharded items only)."""
-        obj = self.state.get(item)
-        if obj is None or not hasattr(obj, "reshard_targets"):
-            return None
-        if item == "optimizer" and not self.cfg.resume_optimizer:
-            return None
-        targets: dict[str, Any] = obj.reshard_targets(pieces)
-        return targets
-
-    def _apply(self, decoded: DecodedVersion, load: str,
-               on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
-        if decoded.after_partial is None:
-            return self._load(decoded, load, on_reshard)
-        # a fallback over a partially overwritten state: the live state is this version's
-        # only once every item is loaded, so a failure on the way is RestoreIncomplete
-        try:
-            return self._load(decoded, load, on_reshard)
-        except Exception as err:
-            raise RestoreIncomplete(
-                f"restore fell back to {decoded.manifest.version_id} after the newer version "
-                f"failed with the live state partially overwritten ({decoded.after_partial}), "
-                f"and loading it failed: the live state is partially overwritten; cause: "
-                f"{type(err).__name__}: {err}") from err
-
-    def _load(self, decoded: DecodedVersion, load: str,
-              on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
-        m, trees, rng_doc = decoded.manifest, decoded.trees, decoded.rng
-        if self._guard is not None:  # a copy still reading the live tensors finishes first
-            self._guard.wait()
-        resharded = decoded.rng_by_rank is not None
-        by_rank = decoded.rng_by_rank or {}
-        notes: list[str] = []
-        for name, obj in self.state.items():  # plain entries: all checked before any write
-            if isinstance(obj, PlainEntry) and name in trees and (load == "all"
-                                                                  or name == "model"):
-                obj.check(trees[name])
-        for name, obj in self.state.items():
-            if load == "model" and name != "model":
-                continue
-            if name == "optimizer" and not self.cfg.resume_optimizer:
-                continue
-            if name in decoded.from_pieces:
-                obj.load_resharded(trees[name])
-            elif isinstance(obj, Stateful):
-                if name not in trees:
-                    raise VersionNotFound(f"{m.version_id} has no state for {name!r}")
-                if name in decoded.in_place and isinstance(obj, torch.nn.Module) \
-                        and loaded_in_place(obj, trees[name]):
-                    continue  # every tensor was decoded into the module's own: nothing to load
-                obj.load_state_dict(trees[name])
-            elif resharded and load == "all":
-                states = {r: d["states"][name] for r, d in by_rank.items()
-                          if name in d.get("states", {})}
-                if states:
-                    obj.set_state(on_reshard(states, self.rank, self.world_size))
-                    notes.append(f"{name}: mapped from {len(states)} saved rank(s)")
-            elif name in rng_doc.get("states", {}):
-                obj.set_state(rng_doc["states"][name])
-        if load == "all" and resharded:
-            if self.rank in by_rank:
-                restore_rng(by_rank[self.rank]["rng"])
-            else:
-                lowest = by_rank[min(by_rank)]["rng"]
-                notes.append(f"rng: rank {self.rank} did not exist; reseeded "
-                             f"{reseed_rng(lowest, self.rank)}")
-        elif load == "all":
-            restore_rng(rng_doc["rng"])
-        for chain in self._ctx.chains.values():
-            chain.reset()  # the live state no longer matches the staged base
-        if self._worker is not None:
-            self._worker.reset_chains()
-        if self._ctx.lossy is not None:
-            self._ctx.lossy.reset()  # nor the lossy chain's reconstruction
-        if self._ctx.steps is not None:
-            self._ctx.steps.add(m.step)
-        report = ResumeReport(exact=m.resume.exact and not resharded, resharded=resharded,
-                              saved_world_size=m.world_size, world_size=self.world_size,
-                              notes=tuple(notes))
-        if resharded:
-            log.warning("restored %s (saved by %d rank(s)) on %d rank(s): not an exact "
-                        "resume (%s)", m.version_id, m.world_size, self.world_size,
-                        "; ".join(notes) or "sharded state remapped")
-        return RestoreResult(m.step, report)
-
+            return self.tiers.restore(target, load, fallback, lambda vid: self.restorer.apply(
+                self._bg(self.restorer.read(vid, False, load, verify)), load, on_reshard))
+        decoded = self._bg(self.restorer.read(target, fallback, load, verify))
+        return self.restorer.apply(decoded, load, on_reshard)
 
 @dataclass
 class _Owned:
@@ -814,38 +705,3 @@ def _let_go(owned: _Owned) -> None:
     """A manager was garbage-collected without ``close()``: release what it owned, on a
     thread of its own (a collection may run on a thread holding one of their locks)."""
     threading.Thread(target=owned.release, name="mithril-release", daemon=True).start()
-
-
-#: ``on_reshard(states_by_rank, new_rank, new_world) -> state``: a data-loader state for this
-#: rank from every saved rank's (restores on another world size)
-OnReshard = Callable[[dict[int, Any], int, int], Any]
-
-
-@dataclass(frozen=True)
-class ResumeReport:
-    """How a restore continues the run."""
-
-    #: the run continues bit-identically (the version's ``resume.exact``, and no reshard)
-    exact: bool
-    #: the version was restored on another world size or mesh
-    resharded: bool = False
-    saved_world_size: int = 1
-    world_size: int = 1
-    #: what was remapped or reseeded instead of restored
-    notes: tuple[str, ...] = ()
-
-
-class RestoreResult(int):
-    """What ``restore()`` returns: the restored step (an ``int``, as before) carrying
-    ``resume``, a :class:`ResumeReport` (``result.resume.exact``)."""
-
-    resume: ResumeReport
-
-    def __new__(cls, step: int, resume: ResumeReport) -> RestoreResult:
-        obj = super().__new__(cls, step)
-        obj.resume = resume
-        return obj
-
-    def __reduce__(self) -> tuple[type[int], tuple[int]]:
-        """Pickled (``torch.save`` of a loop's state) as the plain step it is."""
-        return int, (int(self),)

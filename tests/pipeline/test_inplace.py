@@ -50,7 +50,7 @@ def test_restore_writes_into_the_live_tensors(tmp_path: Path,
     ptrs = {n: t.data_ptr() for n, t in model.state_dict().items()}
     moments = {t.data_ptr() for st in opt.state.values() for t in st.values()}
     versions = {n: p._version for n, p in model.named_parameters()}
-    got = mgr._bg(mgr._read("latest", False, "all"))
+    got = mgr._bg(mgr.restorer.read("latest", False, "all"))
     assert got.in_place == {"model", "optimizer"}
     # written behind torch's back, but autograd is told (as copy_ would tell it)
     assert all(p._version > versions[n] for n, p in model.named_parameters())
@@ -58,7 +58,7 @@ def test_restore_writes_into_the_live_tensors(tmp_path: Path,
     assert state_equal(saved["model"], model.state_dict())
     assert {t.data_ptr() for st in got.trees["optimizer"]["state"].values()
             for t in st.values()} == moments
-    res = mgr._apply(got, "all")
+    res = mgr.restorer.apply(got, "all")
     assert int(res) == 1 and res.resume.exact and not res.resume.resharded
     assert {n: t.data_ptr() for n, t in model.state_dict().items()} == ptrs
     assert state_equal(saved["model"], model.state_dict())
@@ -159,9 +159,9 @@ def test_uncompressed_blobs_are_copied_into_the_live_tensors(
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     train_step(model, opt, batcher)
     ptrs = {n: t.data_ptr() for n, t in model.state_dict().items()}
-    got = mgr._bg(mgr._read("latest", False, "all"))
+    got = mgr._bg(mgr.restorer.read("latest", False, "all"))
     assert got.in_place == {"model", "optimizer"}
-    mgr._apply(got, "all")
+    mgr.restorer.apply(got, "all")
     assert {n: t.data_ptr() for n, t in model.state_dict().items()} == ptrs
     assert state_equal(saved[0], model.state_dict())
     assert state_equal(saved[1], opt.state_dict())

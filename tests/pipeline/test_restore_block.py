@@ -537,9 +537,9 @@ def test_a_live_tensor_of_another_dtype_is_restored_in_place_through_the_ring(
 
     monkeypatch.setattr(stream, "StagingRing", Watched)
     with _manager(make_config, tmp_path, {"model": live}) as mgr:
-        got = mgr._bg(mgr._read("latest", False, "all"))
+        got = mgr._bg(mgr.restorer.read("latest", False, "all"))
         assert got.in_place == {"model"}
-        mgr._apply(got, "all")
+        mgr.restorer.apply(got, "all")
     now = live.state_dict()
     assert {n: t.data_ptr() for n, t in now.items()} == ptrs
     assert all(now[n].dtype == torch.float64 and torch.equal(now[n], saved[n].double())
