@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,8 +40,6 @@ from mithril_async.errors import (
     DistributedError,
     InvalidFormat,
     SaveFailed,
-    SaveInProgress,
-    StepAlreadyExists,
 )
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.listeners import Listener, ResultListeners
@@ -61,15 +59,9 @@ from mithril_async.restore.reader import VersionReader
 from mithril_async.retention import Policy, from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
-from mithril_async.save.job import SaveJob
-from mithril_async.save.overlap import StepGuard, optimizers_in
+from mithril_async.save.sequence import SaveSequence
 from mithril_async.save.staging import StagingArea
 from mithril_async.save.waiting import (
-    Consumed,
-    DeviceCopied,
-    Done,
-    Result,
-    Wait,
     run_awaiting,
     run_blocking,
 )
@@ -189,27 +181,25 @@ class CheckpointManager:
         self._worker: WorkerClient | None = None
         self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
                                                keep_all)
+        #: the saves, one at a time, from the caller's thread to their handles
+        self.saves = SaveSequence(self._ctx, self._results, self._worker, lambda: self.loop,
+                                  run_id=self.run_id, continued_run=self.continued_run)
         #: restores into the live state (read through the one reader, then applied)
         self.restorer = LiveRestore(
             self.state, cfg, VersionReader(self.catalog, pool=self._pool,
                                            inflight_mib=cfg.pipeline.max_inflight_mib),
             self.layout, rank=self.rank, world_size=self.world_size, saves=self._ctx,
-            guard=lambda: self._guard, worker=self._worker)
+            guard=lambda: self.saves.guard, worker=self._worker)
         self._loop: BackgroundLoop | None = None
-        #: the last save's handle (its future: the save in flight), until its outcome has
-        #: been taken; ``error_seen`` says whether its caller already saw its error
-        self._handle: SaveHandle | None = None
-        self._error: BaseException | None = None
         self._closed = False
         #: whether the start's writing part (cleanup, alias repairs) has run (see _maintain)
         self._maintained = False
-        #: snapshot = "overlapped": hooks on the state's optimizers, made at the first save
-        self._guard: StepGuard | None = None
         if self.tiers is not None:  # collective: saves are numbered above every tier's folders
             self.tiers.attach(self.restorer)
         #: save_on_signals: the signal handlers and what follows a signal (last: it installs
         #: process-wide handlers)
-        self.preemption = Preemption.from_config(cfg, self.coordinator, self._results)
+        self.preemption = self.saves.preemption = Preemption.from_config(
+            cfg, self.coordinator, self._results)
         if self._worker is not None:  # last: nothing after it can fail the construction
             self._start_worker()
 
@@ -307,22 +297,6 @@ class CheckpointManager:
         return self.preemption is not None and self.preemption.preempted
 
     @property
-    def _inflight(self) -> concurrent.futures.Future[SaveResult] | None:
-        """The last save's future (done or not) until its outcome has been taken."""
-        return None if self._handle is None else self._handle.future
-
-    def _busy_with(self) -> concurrent.futures.Future[Any] | None:
-        """What a new save waits for (or is skipped / refused for, ``on_busy``): the save in
-        flight, or a save cancelled here that the worker has not answered for yet (it may
-        still read the staging buffers the new snapshot would be taken into)."""
-        fut = self._inflight
-        if fut is not None and not fut.done():
-            return fut
-        if self._worker is not None and not self._worker.released.done():
-            return self._worker.released
-        return None
-
-    @property
     def sharded_model(self) -> bool:
         """Each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole."""
         return self._ctx.sharded_model
@@ -331,10 +305,6 @@ class CheckpointManager:
     def retention(self) -> Policy | None:
         """The policy applied after each commit (None: every version is kept)."""
         return self._ctx.retention
-
-    @property
-    def _chains(self) -> dict[str, Any]:
-        return self._ctx.chains
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -433,22 +403,22 @@ class CheckpointManager:
         unseen: BaseException | None = None
         exported: BaseException | None = None
         try:
-            if wait and self._inflight is not None:
-                concurrent.futures.wait([self._inflight])
+            if wait and self.saves.inflight is not None:
+                concurrent.futures.wait([self.saves.inflight])
             if report and self.cfg.export_hf_on_close:  # the export's error is raised below
                 from mithril_async.export.hf import export_on_close
 
                 exported = export_on_close(self.cfg, self.catalog, self._bg, self.rank, any(
                     r.status == "committed" for r in self.history), self._pool)
         finally:
-            handle, fut = self._handle, self._inflight
+            handle, fut = self.saves.handle, self.saves.inflight
             if fut is None or fut.done():  # an abandoned save (wait=False) is no failure
-                unseen = self._take_error()
+                unseen = self.saves.take_error()
             if handle is not None and handle.error_seen:
                 unseen = None  # handle.result() raised it to the caller
             self._closed = True
-            if self._guard is not None:
-                self._guard.remove()
+            if self.saves.guard is not None:
+                self.saves.guard.remove()
             self._release.detach()
             if self._worker is not None:  # after the last save: the worker exits
                 self._worker.close(wait=wait)
@@ -497,121 +467,21 @@ class CheckpointManager:
 
         A save the caller cancelled (``handle.future.cancel()``, a timeout around it) is not
         an error: it published nothing, and the manager goes on."""
-        err = self._take_error()
-        if err is not None:
-            raise SaveFailed(f"a background save failed: {err}") from err
-
-    def _take_error(self) -> BaseException | None:
-        """The error of a failed save not yet reported (then forgotten: reported once)."""
-        fut = self._inflight
-        if fut is not None and fut.done():
-            self._handle = None
-            exc = None if fut.cancelled() else fut.exception()
-            if exc is not None:
-                self._error = exc
-        err, self._error = self._error, None
-        return err
+        self.saves.check_for_errors()
 
     # ------------------------------------------------------------ save
     async def save(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Snapshot now, write in the background; returns once the snapshot is consistent."""
-        return await run_awaiting(self._save_steps(step, metrics, time.perf_counter()))
+        return await run_awaiting(self.saves.steps(step, metrics, time.perf_counter()))
 
     def save_nowait(self, step: int, metrics: Mapping[str, Any] | None = None) -> SaveHandle:
         """Synchronous ``save()``: blocks only for the snapshot (and a busy pipeline)."""
-        return run_blocking(self._save_steps(step, metrics, time.perf_counter()))
-
-    def _save_steps(self, step: int, metrics: Mapping[str, Any] | None, t0: float
-                    ) -> Generator[Wait, None, SaveHandle]:
-        """A save on the caller's thread, up to its handle: what it waits for is yielded
-        (awaited by ``save()``, blocked on by ``save_nowait()``)."""
-        self._begin(step)
-        waited = 0.0
-        if self._busy_with() is not None:
-            if self.cfg.pipeline.on_busy != "wait":
-                return self._busy(step, t0)
-            log.info("save of step %d waits for the previous save (on_busy=wait)", step)
-            while (fut := self._busy_with()) is not None:
-                yield Done(fut, cancels=fut is self._inflight)
-            waited = time.perf_counter() - t0
-        self.check_for_errors()
-        job = SaveJob(self._ctx, step, t0)
-        for snap in self._snapshot(job):
-            yield DeviceCopied(snap)
-        handle, handoff = self._submit(job, metrics, waited)
-        yield Consumed(job)  # streamed (host_memory_mib): until its chunks are copied out
-        if handoff is not None:
-            yield Result(handoff)
-        return handle
-
-    def _begin(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        _ = self.loop
-        self.check_for_errors()
-        steps = self._ctx.steps
-        if steps is not None and step in steps:
-            why = (" (run_id is not set, so this job continues the runs folder's current run: "
-                   "restore it to resume, or set new_run = true to start a new run)"
-                   if self.continued_run else "")
-            raise StepAlreadyExists(f"run {self.run_id}: step {step} is already committed; "
-                                    f"nothing is overwritten{why}")
-        if self.preemption is not None:
-            self.preemption.saving(step)
-
-    def _busy(self, step: int, t0: float) -> SaveHandle:
-        if self.cfg.pipeline.on_busy == "error":
-            raise SaveInProgress(f"save of step {step} refused: a save is still in flight")
-        res = SaveResult(step, status="skipped", stall_s=time.perf_counter() - t0)
-        log.info("save of step %d skipped: previous save still in flight (on_busy=skip)", step)
-        self.history.append(res)
-        self._results.publish(res)
-        return SaveHandle(res)
-
-    def _snapshot(self, job: SaveJob) -> list[Any]:
-        """The snapshot entry point: what an overlapped snapshot may defer, then the copy."""
-        defer = self._deferrable()
-        return job.snapshot(defer, self._guard)
-
-    def _deferrable(self) -> frozenset[int]:
-        """Addresses of the tensors an overlapped snapshot may copy after ``save()`` returns
-        (none with snapshot = "blocking"); waits for any copy still running first."""
-        if self.cfg.pipeline.snapshot != "overlapped":
-            return frozenset()
-        if self._guard is None:
-            self._guard = StepGuard(optimizers_in(self.state))
-            if not self._guard.optimizers:
-                log.warning('snapshot = "overlapped": no optimizer in the state, so nothing '
-                            "is guarded and every tensor is copied before save() returns")
-        self._guard.wait()
-        return self._guard.pointers()
-
-    def _submit(self, job: SaveJob, metrics: Mapping[str, Any] | None, waited: float
-                ) -> tuple[SaveHandle, concurrent.futures.Future[None] | None]:
-        """Start the save's background part; also return, in worker mode with the worker
-        ready, a future done once the save is handed to the worker: ``save()`` returns
-        after it, so a trainer killed from then on does not take the save with it. (A save
-        made while the worker is still starting, right after the manager was made or after
-        a worker died, does not wait for that start-up: it is handed over from the
-        background once the worker is ready.)"""
-        res = job.begin(metrics, waited)
-        if self.preemption is not None:
-            self.preemption.submitted(job.step)
-        handoff = None
-        if self._worker is not None:
-            if self._worker.ready:
-                handoff = self._worker.expect_handoff()
-            self._worker.start()  # a worker that died is replaced
-            run = self._worker.run(job, dict(metrics or {}))
-        else:
-            run = job.run()
-        self._handle = SaveHandle(res, self.loop.submit(self._results.follow(run, res)))
-        return self._handle, handoff
+        return run_blocking(self.saves.steps(step, metrics, time.perf_counter()))
 
     async def wait_until_finished(self) -> None:
         """Wait for the in-flight save (and the worker's answer for one cancelled) and its
         listeners; raise :class:`SaveFailed` if it failed."""
-        fut = self._inflight
+        fut = self.saves.inflight
         if fut is not None:
             with contextlib.suppress(BaseException):
                 await asyncio.wrap_future(fut)
@@ -622,7 +492,7 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Synchronous :meth:`wait_until_finished`."""
-        fut = self._inflight
+        fut = self.saves.inflight
         if fut is not None:
             concurrent.futures.wait([fut])
         if self._worker is not None:

@@ -174,8 +174,8 @@ def overlapped_sharded(runs: Path) -> dict[str, Any]:
         handle = manager.save_nowait(v)
         sharded_step(model, opt)  # changes every shard: the step pre-hook waits for the copy
         handle.result()
-    assert manager._guard is not None
-    seen = {"deferred": len(manager._guard.pointers()), "saved_v2": saved[1],
+    assert manager.saves.guard is not None
+    seen = {"deferred": len(manager.saves.guard.pointers()), "saved_v2": saved[1],
             "step": manager.restore_sync("v000002"), "restored_v2": local_state(model, opt)}
     manager.close()
     return seen

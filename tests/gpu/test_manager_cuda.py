@@ -93,7 +93,7 @@ def test_every_version_holds_the_state_of_its_save(
             assert handle.result_obj.stall_s >= 0
         m.wait()
         if snapshot == "overlapped":
-            assert m._guard is not None and m._guard.pointers()  # device tensors deferred
+            assert m.saves.guard is not None and m.saves.guard.pointers()  # device tensors deferred
         assert [r.status for r in m.history] == ["committed"] * 5
         for step in range(1, 6):
             assert m.restore_sync(step) == step

@@ -244,7 +244,7 @@ def test_overlapped_under_budget_step_waits_for_what_is_not_copied_out(
         expected = {"model": copy.deepcopy(model.state_dict()),
                     "optimizer": copy.deepcopy(opt.state_dict())}
         handle = m.save_nowait(1)  # returns: the buffer is copied out, the rest is gated
-        pending = m._guard.pending if m._guard is not None else None
+        pending = m.saves.guard.pending if m.saves.guard is not None else None
         assert isinstance(pending, StreamCopy)
         job_stream = pending.stream
         assert job_stream.now_done.done()

@@ -266,9 +266,9 @@ def test_input_state_never_mutated_and_buffers_reused(make_config: ConfigFactory
     before = _deepcopy_state(model, opt)
     with CheckpointManager(cfg, {"model": model, "optimizer": opt}) as m:
         m.save_nowait(1).result()
-        ptrs = {k: t.data_ptr() for k, t in m._chains["model"].areas[0].buffers.items()}
+        ptrs = {k: t.data_ptr() for k, t in m._ctx.chains["model"].areas[0].buffers.items()}
         m.save_nowait(2).result()
-        assert ptrs == {k: t.data_ptr() for k, t in m._chains["model"].areas[0].buffers.items()}
+        assert ptrs == {k: t.data_ptr() for k, t in m._ctx.chains["model"].areas[0].buffers.items()}
     assert state_equal(before["model"], model.state_dict())
     assert state_equal(before["opt"], opt.state_dict())
 

@@ -80,7 +80,8 @@ def test_every_version_holds_the_state_of_its_save(make_config: Callable[..., Co
             train_step(model, opt, batcher)  # forward changes `calls` before step() waits
             assert handle.result_obj.stall_s >= 0
         m.wait()
-        assert m._guard is not None and m._guard.pointers()  # tensors really were deferred
+        guard = m.saves.guard
+        assert guard is not None and guard.pointers()  # tensors really were deferred
         for step in range(1, 7):
             assert m.restore_sync(step) == step
             assert state_equal(_live(model, opt), expected[step]), step
@@ -183,7 +184,7 @@ def test_blocking_mode_hooks_nothing(make_config: Callable[..., Config],
     model, opt, _batcher = make_state()
     with CheckpointManager(make_config(), {"model": model, "optimizer": opt}) as m:
         m.save_nowait(1).result()
-        assert m._guard is None and not opt._optimizer_step_pre_hooks
+        assert m.saves.guard is None and not opt._optimizer_step_pre_hooks
     assert not made
 
 
@@ -202,7 +203,8 @@ def test_without_an_optimizer_everything_is_copied_at_save(
     model = TinyNet()
     with CheckpointManager(make_config(OVERLAPPED), {"model": model}) as m:
         m.save_nowait(1)
-        assert m._guard is not None and m._guard.pending is None and not m._guard.pointers()
+        guard = m.saves.guard
+        assert guard is not None and guard.pending is None and not guard.pointers()
         m.wait()
     assert "no optimizer in the state" in caplog.text
 
