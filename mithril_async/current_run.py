@@ -17,15 +17,18 @@ one run: the record is created with ``put_if_absent`` and the loser takes the wi
 from __future__ import annotations
 
 import json
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mithril_async.errors import InvalidFormat, KeyExists, KeyNotFound
+from mithril_async.config import CheckpointingConfig
+from mithril_async.errors import DistributedError, InvalidFormat, KeyExists, KeyNotFound
 from mithril_async.layout import new_run_id
 from mithril_async.manifest import SCHEMA_VERSION, parse_model, utcnow
+from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.storage.base import Store, join_key
 
-__all__ = ["CURRENT_RUN_FILE", "CurrentRun", "current_run_key", "resolve_run_id"]
+__all__ = ["CURRENT_RUN_FILE", "CurrentRun", "agree_run_id", "current_run_key", "resolve_run_id"]
 
 #: the file in a runs folder naming its current run (not a valid run id: runs are folders)
 CURRENT_RUN_FILE = "current_run.json"
@@ -85,3 +88,54 @@ async def _read(store: Store, key: str) -> str | None:
         return parse_model(CurrentRun, data, key).run_id
     except InvalidFormat as err:
         raise type(err)(f"{err}; remove the file or set run_id / new_run = true") from None
+
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Group(Protocol):
+    """The ranks' checkpoint group, as the run id is agreed on it
+    (:class:`~mithril_async.distributed.DistCoordinator`)."""
+
+    rank: int
+
+    def broadcast_from_zero(self, value: T, what: str = "broadcast") -> T: ...
+
+
+def agree_run_id(cfg: CheckpointingConfig, store: Store, runs_prefix: str, coordinator: Any
+                 ) -> tuple[str, bool]:
+    """The run a manager saves into, and whether it continues the runs folder's current run:
+    ``run_id``, or rank 0's reading of the current run (a new one where there is none, or
+    with ``new_run``) agreed by every rank on ``coordinator``'s group. A failure to read it
+    on rank 0 fails on every rank (none waits for the others)."""
+    if cfg.run_id is not None:
+        return cfg.run_id, False
+    group = coordinator if isinstance(coordinator, Group) else None
+    rank = int(getattr(coordinator, "rank", 0))
+    if rank != 0 and group is None:
+        return new_run_id(), False  # a simulated group without a channel: ids per rank
+    found: str | None = None
+    continued = False
+    failed: Exception | None = None
+    if rank == 0:
+        loop = BackgroundLoop(name="mithril-run-id")
+        try:
+            found, continued = loop.run(resolve_run_id(store, runs_prefix,
+                                                       new_run=cfg.new_run))
+        except Exception as err:
+            if group is None:
+                raise
+            failed = err  # raised once every rank has heard of it: none waits
+        finally:
+            loop.close()
+    if group is not None:
+        why = None if failed is None else f"{type(failed).__name__}: {failed}"
+        found, why = group.broadcast_from_zero((found, why), "agree_run_id")
+        if failed is not None:
+            raise failed
+        if why is not None:
+            raise DistributedError(f"rank 0 could not read the runs folder's current "
+                                   f"run: {why}")
+    assert found is not None
+    return found, continued

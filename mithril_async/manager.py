@@ -18,30 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import functools
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from mithril_async.catalog import RunCatalog
+from mithril_async.catalog.start_up import maintain_run
 from mithril_async.config import CheckpointingConfig, Config, load_config, with_absolute_paths
-from mithril_async.current_run import resolve_run_id
+from mithril_async.current_run import agree_run_id
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import (
     ConfigError,
-    DistributedError,
-    InvalidFormat,
     SaveFailed,
 )
-from mithril_async.layout import RunLayout, new_run_id
+from mithril_async.layout import RunLayout
+from mithril_async.lifetime import Owned
 from mithril_async.listeners import Listener, ResultListeners
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
@@ -60,7 +55,6 @@ from mithril_async.retention import Policy, from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
 from mithril_async.save.sequence import SaveSequence
-from mithril_async.save.staging import StagingArea
 from mithril_async.save.waiting import (
     run_awaiting,
     run_blocking,
@@ -70,26 +64,32 @@ from mithril_async.state import (
 )
 from mithril_async.storage.base import Store
 from mithril_async.tiers.layer import Tiers
-from mithril_async.worker.arena import SharedArena
-from mithril_async.worker.client import WorkerClient, worker_unsupported
+from mithril_async.worker.placement import refuse_unserved, worker_for
 
 log = logging.getLogger("mithril_async")
 _UNSET: Any = object()  # retention= not given: the config decides
 
 
-def _refuse_unserved_worker(config: Config, given: list[str]) -> None:
-    """:class:`ConfigError` when the configuration itself sets ``process = "worker"`` and
-    asks for something a checkpoint worker cannot serve (the default runs it inline)."""
-    if not config.checkpointing.pipeline.worker_required:
-        return
-    why = worker_unsupported(config) or (
-        f"{' and '.join(given)} was passed to the manager (store= / coordinator= / "
-        "retention=)" if given else None)
-    if why is not None:
-        raise ConfigError(
-            f'checkpointing.pipeline.process = "worker" is set, but {why}: a checkpoint '
-            'worker cannot serve this; set process = "inline", or leave the key out to '
-            "run such saves in the training process")
+def _unbuildable(store: Store | None, coordinator: Coordinator | None, retention: Any
+                 ) -> list[str]:
+    """The objects passed to a manager that a checkpoint worker cannot rebuild."""
+    own = None if isinstance(coordinator, LocalCoordinator) else coordinator
+    return [what for what, obj in (("a store", store), ("a coordinator", own),
+                                   ("a retention policy", retention))
+            if obj is not None and obj is not _UNSET]
+
+
+def _coordinator(given: Coordinator | None, cfg: CheckpointingConfig) -> Coordinator:
+    """``given``, or torch.distributed's gloo group with several ranks (one rank: local).
+    ``on_busy`` other than "wait" is refused with several ranks: skip and error are decided
+    per rank, and the ranks would disagree on which saves happen."""
+    if given is None:
+        world = dist_world()
+        given = DistCoordinator() if world is not None and world[1] > 1 else LocalCoordinator()
+    if given.world_size > 1 and cfg.pipeline.on_busy != "wait":
+        raise ConfigError(f"pipeline.on_busy = {cfg.pipeline.on_busy!r} is not "
+                          "supported with several ranks; use 'wait'")
+    return given
 
 
 class CheckpointManager:
@@ -128,12 +128,8 @@ class CheckpointManager:
         self.cfg = cfg = self.config.checkpointing
         #: the items saved and restored: plain entries bound to ``state`` (written back there)
         self.state = bind_state(state)
-        #: objects passed in that a checkpoint worker process cannot rebuild
-        own = None if isinstance(coordinator, LocalCoordinator) else coordinator
-        given = [what for what, obj in (("a store", store), ("a coordinator", own),
-                                        ("a retention policy", retention))
-                 if obj is not None and obj is not _UNSET]
-        _refuse_unserved_worker(self.config, given)  # before anything is started
+        given = _unbuildable(store, coordinator, retention)
+        refuse_unserved(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
         self.tiers = Tiers.of(self.config, remote=tier_remote)
         if self.tiers is not None:  # this node's folder, the tier commit, retention per tier
@@ -142,45 +138,36 @@ class CheckpointManager:
             self.cfg = cfg = self.config.checkpointing
             retention = None if retention is _UNSET else retention
         keep_all = retention is None  # a worker keeps every version too (tiers: their own)
-        if coordinator is None:  # torch.distributed with >1 rank: coordinate over gloo
-            world = dist_world()
-            coordinator = (DistCoordinator() if world is not None and world[1] > 1
-                           else LocalCoordinator())
-        self.coordinator: Coordinator = coordinator
+        self.coordinator: Coordinator = _coordinator(coordinator, cfg)
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
-        if self.world_size > 1 and cfg.pipeline.on_busy != "wait":
-            # skip/error are decided per rank: ranks would disagree on which saves happen
-            raise ConfigError(f"pipeline.on_busy = {cfg.pipeline.on_busy!r} is not "
-                              "supported with several ranks; use 'wait'")
         if store is None:
             store, prefix = open_run_store(cfg)
             runs_prefix = runs_prefix or prefix
         self.store: Store = store
-        #: whether this manager continues the runs folder's current run (no run_id set)
-        self.continued_run = False
-        self.run_id = self._run_id(runs_prefix or "runs")
+        #: continued_run: this manager continues the runs folder's current run (no run_id)
+        self.run_id, self.continued_run = agree_run_id(
+            cfg, self.store, runs_prefix or "runs", self.coordinator)
         self.layout = RunLayout(runs_prefix or "runs", self.run_id)
         self.catalog = RunCatalog(self.store, self.layout,
                                   claim_stale_s=cfg.pipeline.claim_stale_s)
         #: who hears of each save's result (listeners, the inline on_save hook)
         self._results = ResultListeners(on_result, on_save)
-        threads = cfg.compression.threads or max(1, os.cpu_count() or 1)
-        self._pool = CodecPool(threads, "mithril-codec", initializer=lower_priority,
+        self._pool = CodecPool(cfg.compression.threads or max(1, os.cpu_count() or 1),
+                               "mithril-codec", initializer=lower_priority,
                                initargs=(cfg.pipeline.background_nice,))
         #: what every save shares; each save itself is a SaveJob
         self._ctx = SaveContext.for_run(
             self.config, self.state, self.store, self.layout, self.catalog, self.coordinator,
             self._pool, retention=from_config(cfg) if retention is _UNSET else retention,
             sharded_model=sharded_model, on_save=self._results.inline)
-        #: what outlives this manager unless released, and its release if the manager is
-        #: garbage-collected without close()
-        self._owned = _Owned(self._pool, self._results)
-        self._release = weakref.finalize(self, _let_go, self._owned)
-        self._release.atexit = False  # at exit the threads end, the worker sees its trainer end
-        #: process = "worker": the checkpoint process the background part runs in
-        self._worker: WorkerClient | None = None
-        self.process: str = self._setup_worker(runs_prefix or "runs", sharded_model, given,
-                                               keep_all)
+        #: what outlives this manager unless released, and its release if it is collected
+        self._owned, self._release = Owned.watching(self, self._pool, self._results)
+        self._worker = worker_for(self._ctx, given, run_id=self.run_id,
+                                  runs_prefix=runs_prefix or "runs",
+                                  sharded_model=sharded_model, keep_all=keep_all,
+                                  tiers=self.tiers)
+        #: where saves run: "worker" (the checkpoint process self._worker) or "inline"
+        self.process = "inline" if self._worker is None else "worker"
         #: the saves, one at a time, from the caller's thread to their handles
         self.saves = SaveSequence(self._ctx, self._results, self._worker, lambda: self.loop,
                                   run_id=self.run_id, continued_run=self.continued_run)
@@ -191,76 +178,16 @@ class CheckpointManager:
             self.layout, rank=self.rank, world_size=self.world_size, saves=self._ctx,
             guard=lambda: self.saves.guard, worker=self._worker)
         self._loop: BackgroundLoop | None = None
-        self._closed = False
-        #: whether the start's writing part (cleanup, alias repairs) has run (see _maintain)
-        self._maintained = False
+        #: closed; whether the start's writing part (cleanup, alias repairs) ran (_start)
+        self._closed = self._maintained = False
         if self.tiers is not None:  # collective: saves are numbered above every tier's folders
             self.tiers.attach(self.restorer)
-        #: save_on_signals: the signal handlers and what follows a signal (last: it installs
-        #: process-wide handlers)
+        #: save_on_signals: signal handlers and what follows a signal (late: process-wide)
         self.preemption = self.saves.preemption = Preemption.from_config(
             cfg, self.coordinator, self._results)
-        if self._worker is not None:  # last: nothing after it can fail the construction
-            self._start_worker()
-
-    def _run_id(self, runs_prefix: str) -> str:
-        """``run_id``, or rank 0's reading of the runs folder's current run (a new one where
-        there is none, or with ``new_run``) agreed by every rank (:mod:`~.current_run`)."""
-        if self.cfg.run_id is not None:
-            return self.cfg.run_id
-        group = self.coordinator if isinstance(self.coordinator, DistCoordinator) else None
-        if self.rank != 0 and group is None:
-            return new_run_id()  # a simulated group without a channel: ids per rank
-        found: str | None = None
-        failed: Exception | None = None
-        if self.rank == 0:
-            loop = BackgroundLoop(name="mithril-run-id")
-            try:
-                found, self.continued_run = loop.run(resolve_run_id(
-                    self.store, runs_prefix, new_run=self.cfg.new_run))
-            except Exception as err:
-                if group is None:
-                    raise
-                failed = err  # raised once every rank has heard of it: none waits
-            finally:
-                loop.close()
-        if group is not None:
-            why = None if failed is None else f"{type(failed).__name__}: {failed}"
-            found, why = group.broadcast_from_zero((found, why), "agree_run_id")
-            if failed is not None:
-                raise failed
-            if why is not None:
-                raise DistributedError(f"rank 0 could not read the runs folder's current "
-                                       f"run: {why}")
-        assert found is not None
-        return found
-
-    def _setup_worker(self, runs_prefix: str, sharded_model: bool, given: list[str],
-                      keep_all: bool) -> str:
-        """Where saves run (``[checkpointing.pipeline] process``): "worker" needs a
-        configuration the worker can rebuild on its own; otherwise saves run inline and the
-        log says why."""
-        if self.cfg.pipeline.process != "worker":
-            return "inline"
-        why = worker_unsupported(self.config) or (
-            f"{' and '.join(given)} was passed to the manager" if given else None)
-        if why is not None:
-            log.info('process = "worker": saves run in the training process (%s)', why)
-            return "inline"
-        arena = SharedArena()
-        self._ctx.new_area = functools.partial(StagingArea, alloc=arena.buffer)
-        self._ctx.ring_alloc = arena.buffer  # a streamed save's slots, filled here
-        self._worker = WorkerClient(self._ctx, arena, run_id=self.run_id,
-                                    runs_prefix=runs_prefix, sharded_model=sharded_model,
-                                    keep_all=keep_all, tiers=self.tiers)
-        return "worker"
-
-    def _start_worker(self) -> None:
-        """Start the worker now, so that it is ready by the first save (its start-up runs
-        in the background; a save made before it is ready is handed over once it is)."""
-        assert self._worker is not None
-        self._owned.worker = self._worker
-        self._worker.start()
+        if self._worker is not None:  # last, as nothing after it can fail: ready by the
+            self._owned.worker = self._worker  # first save (started in the background)
+            self._worker.start()
 
     @property
     def worker_pid(self) -> int | None:
@@ -297,11 +224,6 @@ class CheckpointManager:
         return self.preemption is not None and self.preemption.preempted
 
     @property
-    def sharded_model(self) -> bool:
-        """Each rank saves its own model shard (FSDP/DTensor) instead of rank 0 the whole."""
-        return self._ctx.sharded_model
-
-    @property
     def retention(self) -> Policy | None:
         """The policy applied after each commit (None: every version is kept)."""
         return self._ctx.retention
@@ -323,39 +245,24 @@ class CheckpointManager:
         if self._loop is None:
             self._loop = self._owned.loop = BackgroundLoop(
                 nice=self.cfg.pipeline.background_nice)
-            self._loop.run(self._start(maintain))
+            self._loop.run(self._start(maintain, first=True))
         elif maintain and not self._maintained:
-            self._loop.run(self._maintain())
+            self._loop.run(self._start(maintain, first=False))
         return self._loop
 
-    async def _start(self, maintain: bool) -> None:
-        if maintain:
-            await self._maintain()
-        self._ctx.steps = await self.catalog.committed_steps()
-
-    async def _maintain(self) -> None:
-        """Remove what unfinished saves of gone writers left, create the pending ``best``
-        alias and finish a killed writer's alias moves.
-
-        Only rank 0 cleans and creates aliases. No barrier is needed: other ranks write only
-        into versions that rank 0 claimed, and it claims only after this has finished. Live
-        saves of other processes (fresh claims) are never touched (catalog.py)."""
-        self._maintained = True
-        if self.rank != 0:
-            return
-        removed = await self.catalog.clean_unfinished(
-            orphan_age_s=self.cfg.pipeline.orphan_age_s)
-        if removed:
-            log.warning("removed leftovers of unfinished saves: %s", ", ".join(removed))
-        try:
-            await self.catalog.ensure_best_pending(self.cfg.best_metric_name, self.cfg.best_mode)
-            # a writer killed between its manifest and its alias moves: finish them now
-            if await self.catalog.repair_aliases(self.cfg.best_metric_name, self.cfg.best_mode):
-                log.warning("moved aliases to committed versions a killed writer left")
-                await self.catalog.update_run_manifest(self._ctx.root_local(),
-                                                       self._ctx.root_remote())
-        except InvalidFormat as err:  # a damaged alias must not stop the manager
-            log.warning("could not check the aliases of run %s: %s", self.run_id, err)
+    async def _start(self, maintain: bool, *, first: bool) -> None:
+        """The run's committed steps (at the first start) and, with ``maintain``, the start's
+        writing part once: rank 0 removes what unfinished saves of gone writers left, creates
+        the pending ``best`` alias and finishes a killed writer's alias moves
+        (:func:`~mithril_async.catalog.start_up.maintain_run`; no barrier: other ranks write
+        only into versions rank 0 claimed, and it claims only after this has finished)."""
+        if maintain and not self._maintained:
+            self._maintained = True
+            if self.rank == 0:
+                await maintain_run(self.catalog, self.cfg, (self._ctx.root_local(),
+                                                            self._ctx.root_remote()))
+        if first:
+            self._ctx.steps = await self.catalog.committed_steps()
 
     def _bg(self, coro: Any) -> Any:
         """Run ``coro`` on the background loop, blocking the calling thread (a read: the
@@ -481,24 +388,11 @@ class CheckpointManager:
     async def wait_until_finished(self) -> None:
         """Wait for the in-flight save (and the worker's answer for one cancelled) and its
         listeners; raise :class:`SaveFailed` if it failed."""
-        fut = self.saves.inflight
-        if fut is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wrap_future(fut)
-        if self._worker is not None:
-            await asyncio.shield(asyncio.wrap_future(self._worker.released))
-        await asyncio.get_running_loop().run_in_executor(None, self._results.flush)
-        self.check_for_errors()
+        await self.saves.finished()
 
     def wait(self) -> None:
         """Synchronous :meth:`wait_until_finished`."""
-        fut = self.saves.inflight
-        if fut is not None:
-            concurrent.futures.wait([fut])
-        if self._worker is not None:
-            concurrent.futures.wait([self._worker.released])
-        self._results.flush()
-        self.check_for_errors()
+        self.saves.finished_sync()
 
     # ------------------------------------------------------------ restore
     async def restore(self, target: str | int = "latest", *, fallback: bool = False,
@@ -547,31 +441,3 @@ class CheckpointManager:
                 self._bg(self.restorer.read(vid, False, load, verify)), load, on_reshard))
         decoded = self._bg(self.restorer.read(target, fallback, load, verify))
         return self.restorer.apply(decoded, load, on_reshard)
-
-@dataclass
-class _Owned:
-    """What a manager starts that would outlive it if it were dropped without ``close()``
-    (never the manager itself, so that it can be collected)."""
-
-    pool: CodecPool
-    results: ResultListeners
-    worker: WorkerClient | None = None
-    loop: BackgroundLoop | None = None
-
-    def release(self) -> None:
-        """The worker finishes the saves it was handed, then exits (not waited for); the
-        shared staging memory, the loop, the codec threads and the listeners' are released
-        (a save still running here is abandoned, as by ``close(wait=False)``)."""
-        if self.worker is not None:
-            self.worker.abandon()
-            self.worker.arena.close()
-        if self.loop is not None:
-            self.loop.close()
-        self.pool.shutdown(wait=True)
-        self.results.close()
-
-
-def _let_go(owned: _Owned) -> None:
-    """A manager was garbage-collected without ``close()``: release what it owned, on a
-    thread of its own (a collection may run on a thread holding one of their locks)."""
-    threading.Thread(target=owned.release, name="mithril-release", daemon=True).start()

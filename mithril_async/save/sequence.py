@@ -12,7 +12,9 @@ inline or handed to the checkpoint worker. A failed save's error is kept until r
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -89,6 +91,28 @@ class SaveSequence:
                 self._error = exc
         err, self._error = self._error, None
         return err
+
+    async def finished(self) -> None:
+        """Wait for the save in flight (and the worker's answer for one cancelled here) and
+        its listeners; raise :class:`SaveFailed` if it failed."""
+        fut = self.inflight
+        if fut is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wrap_future(fut)
+        if self.worker is not None:
+            await asyncio.shield(asyncio.wrap_future(self.worker.released))
+        await asyncio.get_running_loop().run_in_executor(None, self.results.flush)
+        self.check_for_errors()
+
+    def finished_sync(self) -> None:
+        """:meth:`finished`, blocking the calling thread."""
+        fut = self.inflight
+        if fut is not None:
+            concurrent.futures.wait([fut])
+        if self.worker is not None:
+            concurrent.futures.wait([self.worker.released])
+        self.results.flush()
+        self.check_for_errors()
 
     def steps(self, step: int, metrics: Mapping[str, Any] | None, t0: float
               ) -> Generator[Wait, None, SaveHandle]:

@@ -47,7 +47,6 @@ import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
-from mithril_async.config import Config
 from mithril_async.errors import WorkerExited
 from mithril_async.memory.ring import SlotLease
 from mithril_async.pipeline.results import SaveResult
@@ -68,7 +67,7 @@ from mithril_async.worker.handoff import (
 from mithril_async.worker.peers import rendezvous
 from mithril_async.worker.signals import JOB_SIGNALS
 
-__all__ = ["WorkerClient", "worker_unsupported"]
+__all__ = ["NodeTiers", "WorkerClient"]
 
 log = logging.getLogger("mithril_async")
 _channel_ids = itertools.count(1)
@@ -478,16 +477,6 @@ class WorkerClient:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         fut.set_exception(ValueError(f"unknown request {method!r}"))
         return fut
-
-
-def worker_unsupported(config: Config) -> str | None:
-    """Why saves of this configuration cannot run in a worker (None: they can), naming the
-    key or platform feature at fault. (Objects passed to the manager are decided by the
-    manager; every key of the configuration is served.)"""
-    del config
-    if not hasattr(os, "memfd_create"):
-        return "this platform has no memfd_create (the staged snapshot's shared memory)"
-    return None
 
 
 class NodeTiers(Protocol):

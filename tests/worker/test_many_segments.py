@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import mithril_async.manager as manager_module
+import mithril_async.worker.placement as placement
 from mithril_async import CheckpointManager
 from mithril_async.config import config_from_dict
 from mithril_async.worker.arena import SharedArena
@@ -78,7 +78,7 @@ def _dead(pid: int, deadline_s: float = 120.0) -> bool:
 def test_a_state_in_hundreds_of_segments_saves_through_a_worker_and_restores_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # small segments (the arena's constructor argument) so a small state needs hundreds
-    monkeypatch.setattr(manager_module, "SharedArena",
+    monkeypatch.setattr(placement, "SharedArena",
                         functools.partial(SharedArena, segment_bytes=_SEGMENT))
     runs = tmp_path / "runs"
     model = _Wide()
