@@ -3,7 +3,9 @@
 Schemas: runs/<run_id>/versions/vNNNNNN/manifest.json, aliases/{latest,best}.json, run.json
 (docs/LAYOUT.md). Every ``key`` is repo-root relative and validated with ``check_key``; parsing
 any of these files goes through :func:`parse_model`, which turns malformed JSON, schema
-violations and unknown schema versions into typed errors naming the file.
+violations and unknown schema versions into typed errors naming the file. What every model
+shares: :mod:`~mithril_async.manifest_base`; a sharded tensor's piece layouts:
+:mod:`~mithril_async.manifest_pieces` (their names import from here too).
 """
 
 from __future__ import annotations
@@ -12,14 +14,12 @@ import contextlib
 import gc
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-import xxhash
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -28,7 +28,14 @@ from pydantic import (
 )
 
 from mithril_async.errors import InvalidFormat, UnknownFormatVersion
-from mithril_async.mesh_layout import mesh_box, replicated
+from mithril_async.manifest_base import Keyed, Model, falsy, none
+from mithril_async.manifest_pieces import (  # noqa: F401  (re-exported: their old home)
+    MeshSplit,
+    PieceLayout,
+    PieceMeta,
+    TensorSplit,
+    compact_pieces,
+)
 from mithril_async.storage.base import check_key
 
 SCHEMA_VERSION = 1
@@ -43,20 +50,7 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Keyed(_Model):
-    key: str
-
-    @field_validator("key")
-    @classmethod
-    def _safe_key(cls, v: str) -> str:
-        return check_key(v)
-
-
-class BaseRef(_Model):
+class BaseRef(Model):
     """The blob a delta-encoded blob was encoded against."""
 
     version_id: str
@@ -69,164 +63,7 @@ class BaseRef(_Model):
         return check_key(v)
 
 
-def _falsy(v: Any) -> bool:
-    return not v
-
-
-def _none(v: Any) -> bool:
-    return v is None
-
-
-class MeshSplit(_Model):
-    """How a DTensor's piece arises from its device mesh (:mod:`~mithril_async.mesh_layout`):
-    the mesh's shape, per mesh dimension the tensor dimension it chunks (None: replicated
-    over it), and the saving rank's coordinate. Never written per piece: ranks whose pieces
-    all say how they arise share one :class:`PieceLayout` in the manifest instead."""
-
-    mesh: list[int] = Field(min_length=1, max_length=16)
-    dims: list[int | None] = Field(max_length=16)
-    coord: list[int] = Field(max_length=16)
-
-
-class PieceMeta(_Model):
-    """Where one stored tensor sits inside its global tensor (DCP's "chunk metadata").
-
-    Recorded for the tensors of sharded state (DTensors of ``ShardedModel`` /
-    ``ShardedOptimizer``: FSDP2, tensor parallel) so a restore on another world size or mesh
-    can compute which stored pieces overlap the piece it needs. The piece is the box
-    ``[offsets[d], offsets[d] + lengths[d])`` of every dimension ``d`` of ``global_shape``;
-    ``replicated``: other ranks hold the same box (a ``Replicate`` mesh dimension, or a plain
-    tensor such as an optimizer's step counter), so a restore reads one copy, the lowest
-    rank's. Absent in older manifests (and for unsharded state).
-    """
-
-    global_shape: list[int] = Field(max_length=64)
-    offsets: list[int] = Field(max_length=64)
-    lengths: list[int] = Field(max_length=64)
-    dtype: str = Field(max_length=32)
-    replicated: bool = Field(False, exclude_if=_falsy)
-    #: how the box arises from a device mesh, when the saving rank knows it (never stored)
-    split: MeshSplit | None = Field(None, exclude=True)
-
-    @field_validator("global_shape", "offsets", "lengths")
-    @classmethod
-    def _non_negative(cls, v: list[int]) -> list[int]:
-        if any(x < 0 for x in v):
-            raise ValueError("negative size or offset")
-        return v
-
-    @model_validator(mode="after")
-    def _inside(self) -> PieceMeta:
-        n = len(self.global_shape)
-        if len(self.offsets) != n or len(self.lengths) != n:
-            raise ValueError(f"piece of a {n}-d tensor with {len(self.offsets)} offsets and "
-                             f"{len(self.lengths)} lengths")
-        for d, (o, ln, g) in enumerate(zip(self.offsets, self.lengths, self.global_shape,
-                                           strict=True)):
-            if o + ln > g:
-                raise ValueError(f"dimension {d}: piece [{o}, {o + ln}) exceeds the global "
-                                 f"size {g}")
-        return self
-
-
-class TensorSplit(_Model):
-    """One tensor of a :class:`PieceLayout`: its global shape and dtype, and per mesh
-    dimension the tensor dimension it chunks (None: replicated over it). ``dims`` None: a
-    tensor every rank holds whole (a plain tensor such as an optimizer's step counter)."""
-
-    global_shape: list[int] = Field(max_length=64)
-    dtype: str = Field(max_length=32)
-    dims: list[int | None] | None = Field(None, max_length=16)
-
-    @model_validator(mode="after")
-    def _valid(self) -> TensorSplit:
-        if any(x < 0 for x in self.global_shape):
-            raise ValueError("negative size")
-        for d in self.dims or ():
-            if d is not None and not 0 <= d < len(self.global_shape):
-                raise ValueError(f"mesh dimension chunks tensor dimension {d} of a "
-                                 f"{len(self.global_shape)}-d tensor")
-        return self
-
-
-class PieceLayout(_Model):
-    """The pieces of one item's tensors over one device mesh, for every rank at once: a
-    rank whose blob follows this layout holds, of each tensor, the box its mesh coordinate
-    gives (:func:`~mithril_async.mesh_layout.mesh_box`). One layout serves every rank with
-    the same tensors on the same mesh (all of them, under FSDP2), so a manifest grows by one
-    coordinate per rank instead of one box per rank per tensor."""
-
-    mesh: list[int] = Field(min_length=1, max_length=16)
-    tensors: dict[str, TensorSplit]
-    _names: frozenset[str] | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _fits(self) -> PieceLayout:
-        if any(n < 1 for n in self.mesh):
-            raise ValueError("a mesh dimension of size < 1")
-        for name, t in self.tensors.items():
-            if t.dims is not None and len(t.dims) != len(self.mesh):
-                raise ValueError(f"tensor {name!r}: {len(t.dims)} placements on a "
-                                 f"{len(self.mesh)}-d mesh")
-        return self
-
-    def names(self) -> frozenset[str]:
-        """The tensors this layout describes."""
-        if self._names is None:
-            self._names = frozenset(self.tensors)
-        return self._names
-
-    def piece(self, name: str, coord: Sequence[int]) -> PieceMeta:
-        """The piece of tensor ``name`` the rank at ``coord`` holds."""
-        t = self.tensors[name]
-        # built without validation: the layout was validated and mesh_box stays inside it
-        if t.dims is None:
-            n = len(t.global_shape)
-            return PieceMeta.model_construct(global_shape=t.global_shape, offsets=[0] * n,
-                                             lengths=t.global_shape, dtype=t.dtype,
-                                             replicated=True)
-        offsets, lengths = mesh_box(t.global_shape, self.mesh, t.dims, coord)
-        return PieceMeta.model_construct(global_shape=t.global_shape, offsets=list(offsets),
-                                         lengths=list(lengths), dtype=t.dtype,
-                                         replicated=replicated(self.mesh, t.dims))
-
-    def layout_id(self) -> str:
-        """Content hash naming this layout in a manifest (the same on every rank)."""
-        canon = json.dumps(self.model_dump(mode="json"), sort_keys=True,
-                           separators=(",", ":"))
-        return xxhash.xxh64_hexdigest(canon.encode())
-
-
-def compact_pieces(pieces: Mapping[str, PieceMeta]) -> tuple[PieceLayout, list[int]] | None:
-    """``pieces`` (one rank's, of one item) as a layout and this rank's mesh coordinate,
-    when every piece says how it arises from one mesh (a plain tensor held whole counts)
-    and that reproduces its box exactly; else None (the pieces are stored as they are)."""
-    mesh: list[int] | None = None
-    coord: list[int] | None = None
-    tensors: dict[str, TensorSplit] = {}
-    for name, p in pieces.items():
-        s = p.split
-        if s is None:
-            whole = not any(p.offsets) and p.lengths == p.global_shape
-            if not (whole and p.replicated):
-                return None
-            tensors[name] = TensorSplit(global_shape=p.global_shape, dtype=p.dtype)
-            continue
-        if mesh is None:
-            mesh, coord = s.mesh, s.coord
-        if s.mesh != mesh or s.coord != coord or len(s.dims) != len(mesh):
-            return None
-        box = mesh_box(p.global_shape, s.mesh, s.dims, s.coord)
-        if box != (tuple(p.offsets), tuple(p.lengths)) \
-                or replicated(s.mesh, s.dims) != p.replicated:
-            return None
-        tensors[name] = TensorSplit(global_shape=p.global_shape, dtype=p.dtype, dims=s.dims)
-    if mesh is None or coord is None:
-        return None
-    return PieceLayout(mesh=mesh, tensors=tensors), coord
-
-
-class NonFinite(_Model):
+class NonFinite(Model):
     """The NaN and Inf elements of one stored tensor (or of this rank's piece of it),
     counted on its values as the save saw them: never their XOR delta, never after lossy
     quantisation (``[checkpointing] nonfinite``)."""
@@ -234,7 +71,7 @@ class NonFinite(_Model):
     nan: int = Field(0, ge=0, le=1 << 62)
     inf: int = Field(0, ge=0, le=1 << 62)
     #: the tensor matches ``nonfinite_allow``: its values do not hold the version
-    allowed: bool = Field(False, exclude_if=_falsy)
+    allowed: bool = Field(False, exclude_if=falsy)
 
 
 def merge_nonfinite(counts: Iterable[Mapping[str, NonFinite]]) -> dict[str, NonFinite]:
@@ -248,7 +85,7 @@ def merge_nonfinite(counts: Iterable[Mapping[str, NonFinite]]) -> dict[str, NonF
     return out
 
 
-class BlobRef(_Keyed):
+class BlobRef(Keyed):
     """One stored artifact: where it is, how big, its checksum and how it was made."""
 
     bytes: int = Field(ge=0, le=1 << 50)
@@ -262,14 +99,14 @@ class BlobRef(_Keyed):
     refs: list[BaseRef] = Field(default_factory=list)
     #: tensor name -> where it sits in its global tensor, for sharded state;
     #: written only when there is some, so other manifests are what they were
-    pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=_falsy)
+    pieces: dict[str, PieceMeta] = Field(default_factory=dict, exclude_if=falsy)
     #: instead of ``pieces``: the manifest's :class:`PieceLayout` (its ``layouts`` key) the
     #: tensors follow, and the saving rank's coordinate on its mesh
-    layout: str | None = Field(None, pattern=r"^[0-9a-f]{16}$", exclude_if=_none)
-    coord: list[int] = Field(default_factory=list, max_length=16, exclude_if=_falsy)
+    layout: str | None = Field(None, pattern=r"^[0-9a-f]{16}$", exclude_if=none)
+    coord: list[int] = Field(default_factory=list, max_length=16, exclude_if=falsy)
     #: "<item>/<tensor>" -> its NaN / Inf counts, for each floating tensor of the blob that
     #: holds any (the non-finite guard); written only when there is one
-    nonfinite: dict[str, NonFinite] = Field(default_factory=dict, exclude_if=_falsy)
+    nonfinite: dict[str, NonFinite] = Field(default_factory=dict, exclude_if=falsy)
     _layout: PieceLayout | None = PrivateAttr(None)
 
     @property
@@ -323,41 +160,41 @@ class ShardRef(BlobRef):
         return out
 
 
-class RankKey(_Keyed):
+class RankKey(Keyed):
     rank: int = Field(ge=0, le=1 << 20)
     #: xxh64 of the file (RNG + data-loader state); absent in manifests of older writers
     xxh64: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
 
 
-class Paths(_Model):
+class Paths(Model):
     layout_version: int = LAYOUT_VERSION
     root_local: str | None = None
     root_remote: str | None = None
 
 
-class OptimizerEntry(_Model):
+class OptimizerEntry(Model):
     sharding: Literal["none", "per_rank"] = "per_rank"
     shards: list[ShardRef] = Field(default_factory=list)
 
 
-class RngEntry(_Model):
+class RngEntry(Model):
     per_rank: bool = True
     keys: list[RankKey] = Field(default_factory=list)
 
 
-class ResumeInfo(_Model):
+class ResumeInfo(Model):
     base_step: int
     exact: bool
 
 
-class SaveStats(_Model):
+class SaveStats(Model):
     stall_s: float = 0.0
     total_s: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
 
 
-class LossyEntry(_Model):
+class LossyEntry(Model):
     """How a version's lossy part was made (``[checkpointing.lossy]``), and where it is.
 
     One MLDC blob per rank (docs/FORMAT.md). A delta's ``base`` names the previous version's
@@ -379,7 +216,7 @@ class LossyEntry(_Model):
     shards: list[ShardRef] = Field(default_factory=list)
 
 
-class VersionManifest(_Model):
+class VersionManifest(Model):
     """``versions/vNNNNNN/manifest.json``: everything needed to restore one version."""
 
     schema_version: int = SCHEMA_VERSION
@@ -392,7 +229,7 @@ class VersionManifest(_Model):
     config: BlobRef | None = None
     #: the ``model`` item (rank 0's whole model, or rank 0's shard of a sharded one); None:
     #: the state had no ``model`` entry (every item is then in ``optimizer`` / ``extra``)
-    model: BlobRef | None = Field(None, exclude_if=_falsy)
+    model: BlobRef | None = Field(None, exclude_if=falsy)
     optimizer: OptimizerEntry | None = None
     rng: RngEntry = Field(default_factory=RngEntry)
     extra: dict[str, list[ShardRef]] = Field(default_factory=dict)
@@ -402,15 +239,15 @@ class VersionManifest(_Model):
     stats: SaveStats = Field(default_factory=SaveStats)
     #: some stored tensor of this version is quantised (lossy tier, always opt-in); written
     #: only when true, so lossless manifests are what they were before the lossy tier
-    has_quantization: bool = Field(False, exclude_if=_falsy)
-    lossy: LossyEntry | None = Field(None, exclude_if=_falsy)
+    has_quantization: bool = Field(False, exclude_if=falsy)
+    lossy: LossyEntry | None = Field(None, exclude_if=falsy)
     #: the piece layouts the blobs' ``layout`` fields name, by content hash
-    layouts: dict[str, PieceLayout] = Field(default_factory=dict, exclude_if=_falsy)
+    layouts: dict[str, PieceLayout] = Field(default_factory=dict, exclude_if=falsy)
     #: a tensor holds NaN/Inf that ``nonfinite_allow`` does not allow (``nonfinite =
     #: "hold"``): the version is committed, but ``latest`` and ``best`` (and the tiers'
     #: ``latest_*``) never point at it; the blobs' ``nonfinite`` say which tensors. Written
     #: only when true
-    held: bool = Field(False, exclude_if=_falsy)
+    held: bool = Field(False, exclude_if=falsy)
 
     @model_validator(mode="after")
     def _bind_layouts(self) -> VersionManifest:
@@ -467,7 +304,7 @@ class VersionManifest(_Model):
         return merge_nonfinite(b.nonfinite for b in self.blobs())
 
 
-class AliasFile(_Model):
+class AliasFile(Model):
     """``aliases/<name>.json``: a pointer to a version; ``best`` is ``pending`` until a metric."""
 
     schema_version: int = SCHEMA_VERSION
@@ -488,7 +325,7 @@ class AliasFile(_Model):
         return None if v is None else check_key(v)
 
 
-class VersionSummary(_Model):
+class VersionSummary(Model):
     version_id: str
     step: int
     created_at: datetime
@@ -496,10 +333,10 @@ class VersionSummary(_Model):
     metrics: dict[str, Any] = Field(default_factory=dict)
     bytes: int = 0
     #: the version is held (its manifest's ``held``): no alias points at it
-    held: bool = Field(False, exclude_if=_falsy)
+    held: bool = Field(False, exclude_if=falsy)
 
 
-class RunManifest(_Model):
+class RunManifest(Model):
     """``runs/<run_id>/run.json``: the run's versions and aliases at a glance."""
 
     schema_version: int = SCHEMA_VERSION
