@@ -1,4 +1,5 @@
-"""Which module may import which: the directions the package split relies on.
+"""Which module may import which: the directions the package split relies on; and how large a
+module, a function and the manager may grow.
 
 Checked on the source (every import statement, function-level and TYPE_CHECKING ones too),
 because importing :mod:`mithril_async` loads the whole library and ``sys.modules`` cannot tell
@@ -93,3 +94,35 @@ def test_no_import_cycles_between_modules() -> None:
         if n not in state:
             visit(n, [n])
     assert cycles == []
+
+
+def _library_sources() -> list[Path]:
+    spec = importlib.util.find_spec("mithril_async")
+    assert spec is not None and spec.origin is not None
+    return sorted(Path(spec.origin).parent.rglob("*.py"))
+
+
+def test_rooms_stay_small_enough_to_change_safely() -> None:
+    """No library module over 500 lines (the store conformance suite in testing/: 700), no
+    function over 80, and the manager only wiring and lifecycle: <= 450 lines, <= 30
+    methods."""
+    too_big, too_long = [], []
+    for path in _library_sources():
+        text = path.read_text(encoding="utf-8")
+        limit = 700 if path.parent.name == "testing" else 500
+        if len(text.splitlines()) > limit:
+            too_big.append(f"{path.name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 80:
+                    too_long.append(f"{path.name}:{node.name}: {length} lines")
+    assert not too_big and not too_long, (too_big, too_long)
+    manager = next(p for p in _library_sources() if p.name == "manager.py"
+                   and p.parent.name == "mithril_async")
+    text = manager.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 450
+    cls = next(n for n in ast.parse(text).body
+               if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager")
+    methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) <= 30, [m.name for m in methods]

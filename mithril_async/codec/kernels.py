@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mithril_async.codec import kernels_ref as _ref
+from mithril_async.codec.kernel_args import as_bytes, exp_kind, out_buffer, same_len
 from mithril_async.codec.kernels_ref import (
     KIND_PLANES,
     KIND_WIDTHS,
@@ -123,55 +124,7 @@ _init_backend()
 
 
 # ---------------------------------------------------------------------------------------------
-# argument handling
-
-
-def _in(x: object, name: str) -> U8:
-    """View an input as flat uint8 without copying; refuse non-contiguous arrays."""
-    if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
-        return x.reshape(-1).view(np.uint8)
-    try:
-        return np.frombuffer(x, dtype=np.uint8)  # type: ignore[call-overload]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} must be a C-contiguous buffer: {exc}") from exc
-
-
-def _out(
-    out: object | None, nbytes: int, inputs: tuple[U8, ...], alias_ok: tuple[U8, ...] = ()
-) -> U8:
-    """Allocate or validate ``out``: writable, exactly ``nbytes``, not overlapping the inputs.
-
-    Overlap would make the transposing kernels read bytes they already overwrote; only exact
-    aliasing of an input that is read at the same offset it is written (``alias_ok``) is safe.
-    """
-    if out is None:
-        return np.empty(nbytes, dtype=np.uint8)
-    o = _in(out, "out")
-    if not o.flags.writeable:
-        raise ValueError("out must be writable")
-    if o.size != nbytes:
-        raise ValueError(f"out has {o.size} bytes, expected exactly {nbytes}")
-    for arr in inputs:
-        if arr.size and np.may_share_memory(o, arr):
-            exact = any(
-                a is arr and a.ctypes.data == o.ctypes.data and a.size == o.size for a in alias_ok
-            )
-            if not exact:
-                raise ValueError("out must not overlap the inputs of this kernel")
-    return o
-
-
-def _same_len(a: U8, b: U8, what: str) -> None:
-    if a.size != b.size:
-        raise ValueError(f"{what} has {b.size} bytes, expected {a.size} (same as the input)")
-
-
-def _kind(kind: str) -> str:
-    if kind not in KIND_WIDTHS:
-        raise ValueError(f"unknown exponent kind {kind!r}; expected one of {sorted(KIND_WIDTHS)}")
-    return kind
+# argument handling (the checks: kernel_args.py)
 
 
 def _p(a: U8) -> Any:
@@ -251,9 +204,9 @@ def group(src: object, width: int, out: object | None = None, *,
           tally: NonFiniteTally | None = None) -> U8:
     """Byte grouping: ``out[k*n + i] = src[i*width + k]``; the tail is copied verbatim.
     ``tally``: also count the NaN/Inf elements of ``src`` (same pass)."""
-    s = _in(src, "src")
+    s = as_bytes(src, "src")
     w = element_width(width)
-    o = _out(out, s.size, (s,))
+    o = out_buffer(out, s.size, (s,))
     if tally is not None:
         tally.fits(w, "group")
     if _use_native:
@@ -271,8 +224,8 @@ def copy(src: object, out: object | None = None, *,
          tally: NonFiniteTally | None = None) -> U8:
     """``out[:] = src`` (the identity transform into the codec's scratch); ``tally``: also
     count the NaN/Inf elements of ``src`` (same pass). ``out`` must not overlap ``src``."""
-    s = _in(src, "src")
-    o = _out(out, s.size, (s,))
+    s = as_bytes(src, "src")
+    o = out_buffer(out, s.size, (s,))
     if _use_native:
         if tally is None:
             _lib.mk_copy_count(_p(s), _ffi.NULL, _pw(o), s.size, 0, _ffi.NULL)
@@ -290,7 +243,7 @@ def count_nonfinite_after(src: object, tally: NonFiniteTally,
     """For each run of ``run_bytes`` of ``src`` (whole elements): ``first(run)`` (a hash's
     ``update``), then count the run's NaN/Inf elements into ``tally`` while it is still in
     the cache, so the count does not read memory again; returns ``tally``."""
-    s = _in(src, "src")
+    s = as_bytes(src, "src")
     step = max(tally.width, run_bytes - run_bytes % tally.width)
     mv = memoryview(s.data).cast("B")
     if not _use_native:
@@ -309,7 +262,7 @@ def count_nonfinite_after(src: object, tally: NonFiniteTally,
 def count_nonfinite(src: object, tally: NonFiniteTally) -> NonFiniteTally:
     """Count the NaN/Inf elements of ``src`` into ``tally`` (for bytes no transform reads:
     an uncompressed blob, the lossy tier's input); returns ``tally``."""
-    s = _in(src, "src")
+    s = as_bytes(src, "src")
     if _use_native:
         _checked(_lib.mk_count_nonfinite(_p(s), s.size, tally.code, tally.pointer()),
                  "count_nonfinite")
@@ -320,9 +273,9 @@ def count_nonfinite(src: object, tally: NonFiniteTally) -> NonFiniteTally:
 
 def ungroup(src: object, width: int, out: object | None = None) -> U8:
     """Inverse of :func:`group`."""
-    s = _in(src, "src")
+    s = as_bytes(src, "src")
     w = element_width(width)
-    o = _out(out, s.size, (s,))
+    o = out_buffer(out, s.size, (s,))
     if _use_native:
         _lib.mk_ungroup(_p(s), _ffi.NULL, _pw(o), s.size, w)
         return o
@@ -336,8 +289,8 @@ def copy_stream(src: object, out: object) -> U8:
     warm, reused staging buffers ~1.7x faster than ``memcpy`` here; the numpy path copies
     normally.  ``out`` must not overlap ``src``.
     """
-    s = _in(src, "src")
-    o = _out(out, s.size, (s,))
+    s = as_bytes(src, "src")
+    o = out_buffer(out, s.size, (s,))
     if _use_native:
         _lib.mk_copy_stream(_p(s), _pw(o), s.size)
         return o
@@ -392,9 +345,9 @@ def xor(a: object, b: object, out: object | None = None, *,
         tally: NonFiniteTally | None = None) -> U8:
     """Bytewise ``a ^ b``; ``out`` may be ``a`` or ``b`` itself (in-place). ``tally``: also
     count the NaN/Inf elements of ``a`` (its own values, not the XOR; same pass)."""
-    x, y = _in(a, "a"), _in(b, "b")
-    _same_len(x, y, "b")
-    o = _out(out, x.size, (x, y), alias_ok=(x, y))
+    x, y = as_bytes(a, "a"), as_bytes(b, "b")
+    same_len(x, y, "b")
+    o = out_buffer(out, x.size, (x, y), alias_ok=(x, y))
     if _use_native:
         if tally is None:
             _lib.mk_xor(_p(x), _p(y), _pw(o), x.size)
@@ -410,10 +363,10 @@ def xor_group(a: object, base: object, width: int, out: object | None = None, *,
               tally: NonFiniteTally | None = None) -> U8:
     """Fused ``group(a ^ base, width)``: the XOR delta never materialises in memory.
     ``tally``: also count the NaN/Inf elements of ``a`` (not of the XOR; same pass)."""
-    x, b = _in(a, "a"), _in(base, "base")
-    _same_len(x, b, "base")
+    x, b = as_bytes(a, "a"), as_bytes(base, "base")
+    same_len(x, b, "base")
     w = element_width(width)
-    o = _out(out, x.size, (x, b))
+    o = out_buffer(out, x.size, (x, b))
     if tally is not None:
         tally.fits(w, "xor_group")
     if _use_native:
@@ -429,10 +382,10 @@ def xor_group(a: object, base: object, width: int, out: object | None = None, *,
 
 def ungroup_xor(src: object, base: object, width: int, out: object | None = None) -> U8:
     """Fused ``ungroup(src, width) ^ base`` (inverse of :func:`xor_group`); ``out`` may be base."""
-    s, b = _in(src, "src"), _in(base, "base")
-    _same_len(s, b, "base")
+    s, b = as_bytes(src, "src"), as_bytes(base, "base")
+    same_len(s, b, "base")
     w = element_width(width)
-    o = _out(out, s.size, (s, b), alias_ok=(b,))
+    o = out_buffer(out, s.size, (s, b), alias_ok=(b,))
     if _use_native:
         _lib.mk_ungroup(_p(s), _p(b), _pw(o), s.size, w)
         return o
@@ -447,12 +400,12 @@ def exp_group(src: object, kind: str, base: object | None = None, out: object | 
     into separate planes (ZipNN) helps zstd.  ``base`` is XORed in the original element layout.
     ``tally``: also count the NaN/Inf elements of ``src`` (not of the XOR; same pass).
     """
-    s = _in(src, "src")
-    k = _kind(kind)
-    b = None if base is None else _in(base, "base")
+    s = as_bytes(src, "src")
+    k = exp_kind(kind)
+    b = None if base is None else as_bytes(base, "base")
     if b is not None:
-        _same_len(s, b, "base")
-    o = _out(out, s.size, (s,) if b is None else (s, b))
+        same_len(s, b, "base")
+    o = out_buffer(out, s.size, (s,) if b is None else (s, b))
     if tally is not None:
         tally.fits(KIND_WIDTHS[k], "exp_group")
     if _use_native:
@@ -474,12 +427,12 @@ def exp_ungroup(
     src: object, kind: str, base: object | None = None, out: object | None = None
 ) -> U8:
     """Inverse of :func:`exp_group`: ``exp_ungroup(exp_group(a, k, b), k, b) == a``."""
-    s = _in(src, "src")
-    k = _kind(kind)
-    b = None if base is None else _in(base, "base")
+    s = as_bytes(src, "src")
+    k = exp_kind(kind)
+    b = None if base is None else as_bytes(base, "base")
     if b is not None:
-        _same_len(s, b, "base")
-    o = _out(out, s.size, (s,) if b is None else (s, b), alias_ok=() if b is None else (b,))
+        same_len(s, b, "base")
+    o = out_buffer(out, s.size, (s,) if b is None else (s, b), alias_ok=() if b is None else (b,))
     if _use_native:
         pb = _ffi.NULL if b is None else _p(b)
         if k == "fp16":
