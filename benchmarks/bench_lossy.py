@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mithril_async.lossy.lossless import lossless_backend, lossless_state_size
-from mithril_async.lossy.lossy_delta import (
+from mithril_async.lossy.excp import (
     LossyCheckpoint,
     LossyDeltaConfig,
     LossyDeltaEncoder,
     Role,
     decode_chain,
 )
+from mithril_async.lossy.lossless import lossless_backend, lossless_state_size
 from mithril_async.lossy.serial import checkpoint_from_bytes, checkpoint_to_bytes
 from mithril_async.lossy.training import adam_state, load_adam_state
 

@@ -206,7 +206,7 @@ class RemoteConfig(StrictTable):
 
 class LossyConfig(StrictTable):
     """Opt-in lossy tier (``[checkpointing.lossy]``): ExCP-style lossy deltas of weights and
-    Adam moments (mithril_async/lossy/lossy_delta.py), one MLDC blob per version and rank.
+    Adam moments (mithril_async/lossy/excp.py), one MLDC blob per version and rank.
 
     Only float tensors with a role (a model parameter, or its optimizer ``exp_avg`` /
     ``exp_avg_sq``) of at least ``min_numel`` elements are coded lossily; everything else —

@@ -42,7 +42,7 @@ def test_the_lossless_blob_codec_does_not_import_the_lossy_tier() -> None:
 
 
 def test_step_deltas_never_import_the_save_pipelines_delta_chains() -> None:
-    chains = {"mithril_async.save.delta_chain", "mithril_async.save.delta_choice"}
+    chains = {"mithril_async.save.xor_chain", "mithril_async.save.xor_choice"}
     for mod in pkgutil.iter_modules(step_deltas.__path__, "mithril_async.step_deltas."):
         assert not _imports(mod.name) & chains, mod.name
 

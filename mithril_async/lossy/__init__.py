@@ -5,15 +5,15 @@ a manifest must record (``has_quantization``), and tensors marked exact are stor
 Byte layouts and measured numbers: docs/FORMAT.md (HPΔKV section).
 """
 
-from mithril_async.lossy.fixedpoint import FixedPointTensor, fixed_point_decode, fixed_point_encode
-from mithril_async.lossy.hpdkv import estimate_hpdkv_size, pack_residuals, unpack_residuals
-from mithril_async.lossy.lossy_delta import (
+from mithril_async.lossy.excp import (
     LossyCheckpoint,
     LossyDeltaConfig,
     LossyDeltaDecoder,
     LossyDeltaEncoder,
     decode_chain,
 )
+from mithril_async.lossy.fixedpoint import FixedPointTensor, fixed_point_decode, fixed_point_encode
+from mithril_async.lossy.hpdkv import estimate_hpdkv_size, pack_residuals, unpack_residuals
 from mithril_async.lossy.nf4 import ResidualQuantized, quantize_with_residuals
 from mithril_async.lossy.quant import (
     ErrorBound,

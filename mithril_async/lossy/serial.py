@@ -35,7 +35,7 @@ import xxhash
 import zstandard
 
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, UnknownFormatVersion
-from mithril_async.lossy.lossy_delta import LossyCheckpoint, LossyDeltaConfig, TensorRecord
+from mithril_async.lossy.excp import LossyCheckpoint, LossyDeltaConfig, TensorRecord
 from mithril_async.lossy.quant import QuantizedTensor
 
 MAGIC = b"MLDC"

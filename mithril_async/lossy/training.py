@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from mithril_async.errors import ShapeMismatch
-from mithril_async.lossy.lossy_delta import Role
+from mithril_async.lossy.excp import Role
 
 __all__ = ["adam_state", "load_adam_state"]
 

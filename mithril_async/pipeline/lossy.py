@@ -30,7 +30,7 @@ import xxhash
 from mithril_async.codec.dtypes import as_torch
 from mithril_async.config import LossyConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious
-from mithril_async.lossy.lossy_delta import (
+from mithril_async.lossy.excp import (
     LossyCheckpoint,
     LossyDeltaConfig,
     LossyDeltaDecoder,

@@ -8,7 +8,7 @@ Two phases, so that damage found early never touches the live state:
    index, tiling, binding to its manifest entry, live shapes; verified whole first where the
    plan says so). Items and blobs run concurrently: one's reads overlap another's decoding.
 2. **Write**: the opened blobs streamed into the live tensors
-   (:mod:`~mithril_async.restore.stream`), every block verified before it is written.
+   (:mod:`~mithril_async.restore.block_decode`), every block verified before it is written.
 
 Damage found in phase 1 raises its own typed error with the live state untouched. Once a
 byte is written, any failure is :class:`~mithril_async.errors.RestoreIncomplete` naming
@@ -34,6 +34,7 @@ from mithril_async.manifest import VersionManifest
 from mithril_async.pipeline.blobs import skeleton_of
 from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.lossy import merge_lossy
+from mithril_async.restore.block_decode import copy_safetensors_into, decode_mckp_into, write_pieces
 from mithril_async.restore.fresh import FreshDecoder, LoadBlob
 from mithril_async.restore.plan import BlobRead, PieceSource, PiecesRead, RestorePlan
 from mithril_async.restore.sources import (
@@ -45,13 +46,12 @@ from mithril_async.restore.sources import (
     open_safetensors,
     verify_blob,
 )
-from mithril_async.restore.stream import copy_safetensors_into, decode_mckp_into, write_pieces
 from mithril_async.restore.targets import check_shapes, mark_written
 from mithril_async.state import unflatten_state
 from mithril_async.storage.base import Store
 
-__all__ = ["Context", "DecodedVersion", "OpenedItem", "Progress", "execute", "guard_writes",
-           "open_item", "write_item"]
+__all__ = ["DecodedVersion", "ExecuteResources", "OpenedItem", "Progress", "execute",
+           "guard_writes", "open_item", "write_item"]
 
 
 @dataclass
@@ -145,7 +145,7 @@ _For = TypeVar("_For", BlobRead, PieceSource)
 
 
 @dataclass
-class _Opened(Generic[_For]):
+class _OpenedBlob(Generic[_For]):
     """A blob the plan reads, opened for writing: what it was opened for (a whole blob's
     read, or a saved piece to copy from), its skeleton and the header the writer needs."""
 
@@ -158,7 +158,7 @@ class _Opened(Generic[_For]):
 
 
 @dataclass
-class Context:
+class ExecuteResources:
     """What the executor works with: the store, the codec pool, the fresh decoder, the
     loader of delta bases, and the bytes a restore may hold in flight."""
 
@@ -178,15 +178,15 @@ class OpenedItem:
     """A sharded item of a plan with every saved blob it reads opened, nothing written."""
 
     read: PiecesRead
-    sources: list[_Opened[PieceSource]]
+    sources: list[_OpenedBlob[PieceSource]]
 
     @property
     def skeleton(self) -> Any:
         return self.sources[0].skeleton
 
 
-async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng: RankReader,
-                  read_lossy: RankReader) -> DecodedVersion:
+async def execute(plan: RestorePlan, ctx: ExecuteResources, progress: Progress,
+                  read_rng: RankReader, read_lossy: RankReader) -> DecodedVersion:
     """Open everything ``plan`` reads, then write it into the live state (module
     docstring); the decoded version."""
     m = plan.manifest
@@ -208,11 +208,11 @@ async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng:
     jobs += [open_item(ctx, p, m.version_id, m.step, plan.verify, budget)
              for p in plan.pieces]
     opened = await all_or_first_error(jobs)
-    opened_blobs: list[_Opened[BlobRead]] = [o for o in opened if isinstance(o, _Opened)]
+    opened_blobs: list[_OpenedBlob[BlobRead]] = [o for o in opened if isinstance(o, _OpenedBlob)]
     opened_items = [o for o in opened if isinstance(o, OpenedItem)]
     written: dict[str, dict[str, torch.Tensor]] = {}
 
-    async def write_blob(o: _Opened[BlobRead]) -> None:
+    async def write_blob(o: _OpenedBlob[BlobRead]) -> None:
         b = o.what
         assert b.live is not None
         started = progress.starter(b.item, b.ref.key)
@@ -249,8 +249,8 @@ async def execute(plan: RestorePlan, ctx: Context, progress: Progress, read_rng:
                           by_rank if plan.resharded else None, frozenset(in_place))
 
 
-async def _open_blob(ctx: Context, b: BlobRead, step: int, budget: int
-                     ) -> _Opened[BlobRead]:
+async def _open_blob(ctx: ExecuteResources, b: BlobRead, step: int, budget: int
+                     ) -> _OpenedBlob[BlobRead]:
     """Open one blob to be written in place (nothing written): verified whole first where
     the plan says so, its head checked, the live shapes the saved ones."""
     ref = b.ref
@@ -261,17 +261,17 @@ async def _open_blob(ctx: Context, b: BlobRead, step: int, budget: int
     if not blob_format(ref.format, ref.key).block_hashes:
         st = await open_safetensors(ctx.store, ref)
         check_shapes(ref.key, b.live, ((e.name, e.shape) for e in st.entries))
-        return _Opened(b, st.skeleton, st=st)
+        return _OpenedBlob(b, st.skeleton, st=st)
     info = await open_mckp(ctx.store, ref, size)
     skeleton = skeleton_of(info.metadata, ref.key)
     check_shapes(ref.key, b.live, ((t.name, t.shape) for t in info.tensors))
     if not b.verify_first:
         check_tiling(ref.key, info, sorted(info.index.values(), key=lambda r: r.offset))
         check_binding(ref.key, info, step, b.item)
-    return _Opened(b, skeleton, mckp=info)
+    return _OpenedBlob(b, skeleton, mckp=info)
 
 
-async def open_item(ctx: Context, p: PiecesRead, version: str, step: int, verify: str,
+async def open_item(ctx: ExecuteResources, p: PiecesRead, version: str, step: int, verify: str,
                     budget: int) -> OpenedItem:
     """Open every saved blob a sharded item reads (nothing written): each must exist with
     its recorded size before any is read, then each is opened and every tensor taken from
@@ -288,8 +288,8 @@ async def open_item(ctx: Context, p: PiecesRead, version: str, step: int, verify
         [_open_source(ctx, p, src, step, verify, share) for src in p.sources])))
 
 
-async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
-                       verify: str, budget: int) -> _Opened[PieceSource]:
+async def _open_source(ctx: ExecuteResources, p: PiecesRead, src: PieceSource, step: int,
+                       verify: str, budget: int) -> _OpenedBlob[PieceSource]:
     ref = src.ref
     fmt = blob_format(ref.format, ref.key)
     if fmt.in_place and ref.base is None and not ref.refs and fmt.block_hashes:
@@ -299,19 +299,19 @@ async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
         check_tiling(ref.key, info, sorted(info.index.values(), key=lambda b: b.offset))
         check_binding(ref.key, info, step, p.item)
         found = {t.name: (t.dtype, tuple(t.shape)) for t in info.tensors}
-        opened = _Opened(src, skeleton_of(info.metadata, ref.key), mckp=info)
+        opened = _OpenedBlob(src, skeleton_of(info.metadata, ref.key), mckp=info)
     elif fmt.in_place and ref.base is None and not ref.refs:
         # safetensors: one whole-file hash, checked before any use
         await verify_blob(ctx.store, ref, ctx.pool, budget)
         st = await open_safetensors(ctx.store, ref)
         found = {e.name: (e.dtype, e.shape) for e in st.entries}
-        opened = _Opened(src, st.skeleton, st=st)
+        opened = _OpenedBlob(src, st.skeleton, st=st)
     else:
         skeleton, tensors = await ctx.decoder.read(ctx.store, ref, ctx.load_blob,
                                                    only=frozenset(src.runs))
         found = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                  for n, t in tensors.items()}
-        opened = _Opened(src, skeleton,
+        opened = _OpenedBlob(src, skeleton,
                          tensors={n: t.contiguous() for n, t in tensors.items()})
     for name in src.runs:
         saved = ref.piece(name)
@@ -328,7 +328,7 @@ async def _open_source(ctx: Context, p: PiecesRead, src: PieceSource, step: int,
     return opened
 
 
-async def write_item(ctx: Context, opened: OpenedItem, progress: Progress, budget: int
+async def write_item(ctx: ExecuteResources, opened: OpenedItem, progress: Progress, budget: int
                      ) -> None:
     """Stream every opened blob's needed bytes into the live local shards; the blobs
     concurrently, the budget shared among them."""

@@ -51,7 +51,7 @@ LoadBlob = Callable[[BaseRef, frozenset[str]], Awaitable[dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class _Opened:
+class _FetchedBlob:
     """An MCKP blob fetched and checked, ready to decode (see :meth:`FreshDecoder._open`)."""
 
     info: MckpInfo
@@ -84,7 +84,7 @@ class FreshDecoder:
         blob's deltas need."""
         opened = await self._open(store, ref, only)
         counted = self.progress if only is None else None
-        if not isinstance(opened, _Opened):
+        if not isinstance(opened, _FetchedBlob):
             if counted is not None:
                 counted(_nbytes(opened[1].values()))
             return opened  # safetensors: (skeleton, tensors), decoded whole
@@ -100,7 +100,7 @@ class FreshDecoder:
         next, so checking a blob (``mithril verify``) holds its bytes plus one tensor (and
         that tensor along its delta chain)."""
         opened = await self._open(store, ref, None)
-        if not isinstance(opened, _Opened):
+        if not isinstance(opened, _FetchedBlob):
             _check_raw_bytes(ref, _nbytes(opened[1].values()))
             if self.progress is not None:
                 self.progress(ref.raw_bytes)
@@ -117,7 +117,7 @@ class FreshDecoder:
         _check_raw_bytes(ref, total)
 
     async def _open(self, store: Store, ref: BlobRef, only: frozenset[str] | None
-                    ) -> _Opened | tuple[Any, dict[str, torch.Tensor]]:
+                    ) -> _FetchedBlob | tuple[Any, dict[str, torch.Tensor]]:
         """Fetch and check what :meth:`read` needs before decoding: the blob's size and hash
         (or, for a part of it, each piece's), its header, index and tensor references, and
         that its header claims no more raw bytes than the manifest records. A safetensors
@@ -156,7 +156,7 @@ class FreshDecoder:
         if not isinstance(refs, dict):
             raise InvalidFormat(f"{ref.key}: malformed tensor references")
         trefs = {name: TensorRef.from_json(raw, ref.key) for name, raw in refs.items()}
-        return _Opened(info, block_bytes, verify_blocks, trefs)
+        return _FetchedBlob(info, block_bytes, verify_blocks, trefs)
 
     async def _load_links(self, ref: BlobRef, info: MckpInfo, trefs: dict[str, TensorRef],
                           load_blob: LoadBlob | None, only: frozenset[str] | None
@@ -186,7 +186,7 @@ class FreshDecoder:
             loaded[key] = await load_blob(base_ref, frozenset(names))
         return deltas, loaded
 
-    async def _decode(self, ref: BlobRef, opened: _Opened, load_blob: LoadBlob | None,
+    async def _decode(self, ref: BlobRef, opened: _FetchedBlob, load_blob: LoadBlob | None,
                       only: frozenset[str] | None,
                       progress: Callable[[int], None] | None = None
                       ) -> dict[str, torch.Tensor]:

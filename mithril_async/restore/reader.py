@@ -42,7 +42,7 @@ from mithril_async.errors import (
 from mithril_async.manifest import BlobRef, VersionManifest, version_number
 from mithril_async.pipeline.lossy import read_lossy_blob, read_lossy_chain
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.restore.execute import Context, DecodedVersion, Progress, execute
+from mithril_async.restore.execute import DecodedVersion, ExecuteResources, Progress, execute
 from mithril_async.restore.fresh import BaseLoader, FreshDecoder
 from mithril_async.restore.plan import (
     VERIFY_MODES,
@@ -246,7 +246,7 @@ class VersionReader:
     async def _decode(self, key: str, progress: Progress, **kw: Any) -> DecodedVersion:
         m = await self.catalog.read_manifest(key)
         plan = self.plan(m, **kw)
-        ctx = Context(self.catalog.store, self.pool, self.decoder,
+        ctx = ExecuteResources(self.catalog.store, self.pool, self.decoder,
                       BaseLoader(self.catalog, self.decoder, m.version_id), self.inflight)
         return await execute(plan, ctx, progress, self.read_rng, self._read_lossy)
 

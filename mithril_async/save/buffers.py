@@ -1,8 +1,8 @@
 """A staged snapshot and the buffer set that holds it, as the encoder sees them.
 
 :class:`BufferSet` is one item's set of staging buffers by tensor name, reused from save to
-save (a delta chain keeps two: the base and the next snapshot); :class:`Snapshot` is what one
-save staged into it, with what says the copy is complete. Both hold tensors without touching
+save (a delta chain keeps two: the base and the next snapshot); :class:`HostCopies` is what
+one save staged into it, with what says the copy is complete. Both hold tensors without touching
 them, so the checkpoint worker, whose buffers are views of its trainer's shared staging
 memory (:class:`~mithril_async.codec.dtypes.RawTensor`), uses them without torch; the copy
 into them is :class:`~mithril_async.save.staging.StagingArea`'s, in the training process.
@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BufferSet", "Job", "Snapshot"]
+__all__ = ["BufferSet", "Job", "HostCopies"]
 
 #: one byte copy: (source address, destination address, bytes)
 Job = tuple[int, int, int]
 
 
 @dataclass
-class Snapshot:
+class HostCopies:
     """Host copies of one state's tensors, plus what is needed to know they are complete."""
 
     #: torch tensors in the trainer, RawTensors in a checkpoint worker

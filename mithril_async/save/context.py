@@ -23,8 +23,8 @@ from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import Policy
 from mithril_async.save.buffers import BufferSet
-from mithril_async.save.delta_chain import ChainPolicy, ItemChain
 from mithril_async.save.writers import BlobEncoder
+from mithril_async.save.xor_chain import ChainPolicy, ItemChain
 from mithril_async.storage.base import Store
 from mithril_async.storage.capabilities import local_root
 

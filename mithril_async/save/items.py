@@ -35,7 +35,8 @@ class EncodePlan:
 
 class ChunkSource(Protocol):
     """Where a streamed tensor's chunks are copied out from (a
-    :class:`~mithril_async.save.stream.StreamSnapshot`): its slot ring, and the copy-out."""
+    :class:`~mithril_async.save.stream_snapshot.StreamSnapshot`): its slot ring, and the
+    copy-out."""
 
     ring: SlotRing
 

@@ -46,13 +46,13 @@ from mithril_async.pipeline.loop import all_or_first_error
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.commit import VersionCommit
 from mithril_async.save.context import SaveContext
-from mithril_async.save.delta_chain import ItemChain, commit_item, depends_on, plan_item
 from mithril_async.save.items import EncodePlan, StagedItem
 from mithril_async.save.nonfinite import count_tensors, mark_allowed
 from mithril_async.save.snapshot import HandedOff, StateSnapshot
+from mithril_async.save.xor_chain import ItemChain, commit_item, depends_on, plan_item
 
 if TYPE_CHECKING:
-    from mithril_async.save.buffers import Snapshot
+    from mithril_async.save.buffers import HostCopies
     from mithril_async.save.overlap import StepGuard
 
 __all__ = ["SaveJob"]
@@ -90,7 +90,7 @@ class SaveJob:
         self._lossy_restart = False
 
     # ------------------------------------------------------------ on the caller's thread
-    def snapshot(self, defer: frozenset[int], guard: StepGuard | None) -> list[Snapshot]:
+    def snapshot(self, defer: frozenset[int], guard: StepGuard | None) -> list[HostCopies]:
         """Copy the state (the stall); the snapshots whose device copies the caller waits
         for (see :meth:`StateSnapshot.take`)."""
         from mithril_async.save.trainer_snapshot import TrainerSnapshot

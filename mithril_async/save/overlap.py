@@ -32,7 +32,7 @@ import torch
 from mithril_async.device import await_event, order_after
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.staging import Job, copy_jobs, default_copy_threads, torn, torn_error
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 from mithril_async.sharded import to_local
 
 _copier: concurrent.futures.ThreadPoolExecutor | None = None
@@ -132,7 +132,7 @@ class OverlapCopy:
 class StreamCopy:
     """An overlapped snapshot under ``host_memory_mib``: the optimizer-owned tensors are
     copied out by the encoder through the slot ring while forward/backward run (see
-    :class:`~mithril_async.save.stream.StreamSnapshot`). The step pre-hook waits only
+    :class:`~mithril_async.save.stream_snapshot.StreamSnapshot`). The step pre-hook waits only
     for what has not been copied out yet; the version check runs before that wait ends."""
 
     def __init__(self, stream: StreamSnapshot) -> None:

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mithril_async.manifest import PieceMeta
-from mithril_async.save.buffers import Snapshot
+from mithril_async.save.buffers import HostCopies
 from mithril_async.save.context import SaveContext
 from mithril_async.save.items import StagedItem
 
 if TYPE_CHECKING:
     from mithril_async.pipeline.lossy import Roles
     from mithril_async.save.overlap import OverlapCopy, StreamCopy
-    from mithril_async.save.stream import StreamSnapshot
+    from mithril_async.save.stream_snapshot import StreamSnapshot
 
 __all__ = ["HandedOff", "StateSnapshot"]
 
@@ -56,7 +56,7 @@ class StateSnapshot:
     def __init__(self, ctx: SaveContext, on_now: Callable[[], None] = lambda: None) -> None:
         self.ctx = ctx
         self.on_now = on_now
-        self.staged: dict[str, Snapshot] = {}
+        self.staged: dict[str, HostCopies] = {}
         self.skeletons: dict[str, Any] = {}
         self.areas: dict[str, int] = {}
         self.json_states: dict[str, Any] = {}
@@ -90,7 +90,7 @@ class StateSnapshot:
             chain.areas[area].adopt(tensors)
             self.areas[name] = area
             self.skeletons[name] = item["skeleton"]
-            self.staged[name] = Snapshot(tensors, nbytes=sum(
+            self.staged[name] = HostCopies(tensors, nbytes=sum(
                 t.numel() * t.element_size() for t in tensors.values()))
         self.json_states, self.rng = handed.json_states, handed.rng
         self.pieces = handed.pieces

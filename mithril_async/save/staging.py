@@ -32,9 +32,9 @@ import torch
 from mithril_async.codec import kernels as K
 from mithril_async.device import CudaCopier, host_buffer, pinning
 from mithril_async.errors import SnapshotTorn
-from mithril_async.save.buffers import BufferSet, Job, Snapshot
+from mithril_async.save.buffers import BufferSet, HostCopies, Job
 
-__all__ = ["PLAIN_TYPES", "STREAM_COPY_MIN_BYTES", "Allocator", "Job", "Snapshot",
+__all__ = ["PLAIN_TYPES", "STREAM_COPY_MIN_BYTES", "Allocator", "Job", "HostCopies",
            "StagingArea", "copy_jobs", "default_copy_threads", "split_jobs", "torn", "torn_error"]
 
 #: CPU tensors at least this big are staged with non-temporal stores (smaller: memcpy): the
@@ -164,12 +164,12 @@ class StagingArea(BufferSet):
         return buf, False
 
     def snapshot(self, tensors: dict[str, torch.Tensor],
-                 defer: frozenset[int] | set[int] = frozenset()) -> Snapshot:
+                 defer: frozenset[int] | set[int] = frozenset()) -> HostCopies:
         """Copy ``tensors`` into the reused buffers; device copies are asynchronous.
 
         Plain CPU tensors whose ``data_ptr()`` is in ``defer`` are not copied: their jobs and
-        version counters come back in ``Snapshot.deferred`` / ``Snapshot.watch``. Plain CUDA
-        ones are copied after the others, behind ``Snapshot.later_event`` (``later_watch``).
+        version counters come back in ``HostCopies.deferred`` / ``HostCopies.watch``. Plain CUDA
+        ones are copied after the others, behind ``HostCopies.later_event`` (``later_watch``).
         """
         t0 = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
@@ -187,7 +187,7 @@ class StagingArea(BufferSet):
         event = self._copy_from_cuda(plan.cuda) if plan.cuda else None
         later = self._copy_from_cuda(plan.cuda_later) if plan.cuda_later else None
         nbytes = sum(b.numel() * b.element_size() for b in out.values())
-        return Snapshot(out, event, nbytes, time.perf_counter() - t0, reused, plan.devices,
+        return HostCopies(out, event, nbytes, time.perf_counter() - t0, reused, plan.devices,
                         plan.deferred, plan.watch, later, plan.later_watch)
 
     @staticmethod

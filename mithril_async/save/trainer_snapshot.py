@@ -8,7 +8,7 @@ optimizer-owned tensors are copied by a background thread after ``save()`` retur
 Under ``[checkpointing.pipeline] host_memory_mib`` a state whose staged path (staging buffers,
 2x with delta chains, plus the encode window) does not fit the budget *streams* instead: the
 staging buffers are freed, and the live tensors are copied out chunk by chunk through a ring
-of reused slots by the encoder (:class:`~mithril_async.save.stream.StreamSnapshot`).
+of reused slots by the encoder (:class:`~mithril_async.save.stream_snapshot.StreamSnapshot`).
 ``save()`` then waits (:meth:`StateSnapshot.wait_consumed`) until every chunk it must not
 change has been copied out: all of them with ``snapshot = "blocking"``; with ``"overlapped"``
 all but the optimizer-owned ones, whose remaining copy-out the step pre-hook waits for
@@ -30,12 +30,12 @@ from mithril_async.errors import HostMemoryExceeded, UnsupportedStateType
 from mithril_async.memory.budget import mib
 from mithril_async.memory.ring import SlotRing
 from mithril_async.pipeline.lossy import lossy_roles
-from mithril_async.save.buffers import Snapshot
+from mithril_async.save.buffers import HostCopies
 from mithril_async.save.items import StagedItem
 from mithril_async.save.overlap import OverlapCopy, StepGuard, StreamCopy
 from mithril_async.save.snapshot import StateSnapshot
 from mithril_async.save.staging import PLAIN_TYPES, StagingArea
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 from mithril_async.sharded import pieces_of, to_local
 from mithril_async.state import Stateful, capture_rng, flatten_state
 
@@ -48,7 +48,7 @@ Flat = dict[str, tuple[Any, dict[str, torch.Tensor]]]
 class TrainerSnapshot(StateSnapshot):
     """The training process's snapshot: :meth:`take` copies the live state (see module doc)."""
 
-    def take(self, defer: frozenset[int], guard: StepGuard | None) -> list[Snapshot]:
+    def take(self, defer: frozenset[int], guard: StepGuard | None) -> list[HostCopies]:
         """Copy every stateful object's tensors into the chains' reused buffers (the stall).
 
         ``defer``: addresses of tensors an overlapped snapshot copies after ``save()``

@@ -66,7 +66,7 @@ class Result:
 @dataclass
 class DeviceCopied:
     """Until a snapshot's device copies completed (a :class:`~mithril_async.save.buffers.
-    Snapshot`)."""
+    HostCopies`)."""
 
     snapshot: Any
 

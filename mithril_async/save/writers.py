@@ -11,8 +11,8 @@ Every byte a writer holds is taken from the host budget first, as
 chunks per chunk in flight until written), so ``host_memory_mib`` is a hard cap and each save
 can report its peak. An item streamed under that budget (``StagedItem.stream``) has no staged
 copy: each chunk is copied out of the live tensor into a ring slot right before it is encoded
-(:class:`~mithril_async.save.stream.StreamSnapshot`), and the blob is byte for byte what the
-staged path writes.
+(:class:`~mithril_async.save.stream_snapshot.StreamSnapshot`), and the blob is byte for byte
+what the staged path writes.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ each optimizer step changed, exact reconstruction at any recorded step, and trai
 analysis (:mod:`.analysis` computes, :mod:`.report` and :mod:`.plots` write).
 
 Not the manager's delta chains (XOR deltas between checkpoint versions): those are part of the
-save pipeline, :mod:`mithril_async.save.delta_chain`.
+save pipeline, :mod:`mithril_async.save.xor_chain`.
 
 The Hugging Face callback is imported lazily (``from mithril_async.step_deltas import
 SparseDeltaCallback``) so that ``transformers`` stays optional.

@@ -52,7 +52,7 @@ from mithril_async.memory.ring import SlotLease
 from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 from mithril_async.tiers.commit import VersionMeta
 from mithril_async.worker.arena import SharedArena
 from mithril_async.worker.channel import MAX_FDS, Channel, ChannelClosed

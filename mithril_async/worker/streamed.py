@@ -2,11 +2,11 @@
 
 Under ``host_memory_mib`` a state whose staged copy does not fit is streamed: nothing is
 staged, and each chunk of a live tensor is copied into a slot of a small ring right before it
-is encoded (:mod:`~mithril_async.save.stream`). With a worker the ring lies in the trainer's
-shared memory; the worker's encoder leases a slot, asks the trainer to copy the chunk into it
-(the ``fetch`` call: only the trainer holds the live tensors, and it counts what was copied
-out, so its ``save()`` returns once everything it must not change is out) and encodes the
-chunk from the slot. Host memory stays the ring's, in one process or two.
+is encoded (:mod:`~mithril_async.save.stream_snapshot`). With a worker the ring lies in the
+trainer's shared memory; the worker's encoder leases a slot, asks the trainer to copy the chunk
+into it (the ``fetch`` call: only the trainer holds the live tensors, and it counts what was
+copied out, so its ``save()`` returns once everything it must not change is out) and encodes
+the chunk from the slot. Host memory stays the ring's, in one process or two.
 
 A trainer that goes away mid-stream leaves chunks nobody can copy: the save fails
 (:class:`~mithril_async.errors.TrainerExited`) and is aborted like any failed save.

@@ -20,7 +20,7 @@ import torch
 
 from mithril_async import CheckpointManager, Config, SaveFailed, SnapshotTorn, TensorDict
 from mithril_async.save import overlap
-from mithril_async.save.staging import Snapshot, StagingArea
+from mithril_async.save.staging import HostCopies, StagingArea
 from tests.manager.conftest import state_equal
 
 from ._helpers import (
@@ -58,11 +58,11 @@ def _gated_pipeline(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 def _spy_snapshots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, torch.Tensor],
-                                                                   Snapshot]]:
-    seen: list[tuple[dict[str, torch.Tensor], Snapshot]] = []
+                                                                   HostCopies]]:
+    seen: list[tuple[dict[str, torch.Tensor], HostCopies]] = []
     real = StagingArea.snapshot
 
-    def spy(self: StagingArea, tensors: dict[str, torch.Tensor], *a: Any, **k: Any) -> Snapshot:
+    def spy(self: StagingArea, tensors: dict[str, torch.Tensor], *a: Any, **k: Any) -> HostCopies:
         snap = real(self, tensors, *a, **k)
         seen.append((dict(tensors), snap))
         return snap

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mithril_async.errors import MissingPrevious
-from mithril_async.lossy.lossy_delta import (
+from mithril_async.lossy.excp import (
     LossyDeltaConfig,
     LossyDeltaDecoder,
     LossyDeltaEncoder,

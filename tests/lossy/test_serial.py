@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mithril_async.errors import InvalidFormat, UnknownFormatVersion
-from mithril_async.lossy.lossy_delta import LossyDeltaConfig, LossyDeltaDecoder, LossyDeltaEncoder
+from mithril_async.lossy.excp import LossyDeltaConfig, LossyDeltaDecoder, LossyDeltaEncoder
 from mithril_async.lossy.serial import checkpoint_from_bytes, checkpoint_to_bytes
 
 from .test_lossy_delta import _snapshots

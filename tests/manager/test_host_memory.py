@@ -30,7 +30,7 @@ from mithril_async import (
 from mithril_async.errors import HostMemoryExceeded, SnapshotTorn
 from mithril_async.memory.budget import HostBudget
 from mithril_async.save.overlap import StreamCopy
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 
 MiB = 1 << 20
 #: streamed saves encoded in the training process, and by a checkpoint worker from the ring

@@ -24,7 +24,7 @@ from mithril_async.codec import compress_state_dict, decompress_state_dict, read
 from mithril_async.codec.chunk import CodecParams
 from mithril_async.codec.dtypes import tensor_bytes
 from mithril_async.restore import fresh
-from mithril_async.save import delta_choice as choice
+from mithril_async.save import xor_choice as choice
 
 G = torch.Generator().manual_seed(0)
 

@@ -13,7 +13,7 @@ import torch
 from mithril_async.errors import HostMemoryExceeded, SnapshotTorn
 from mithril_async.memory.budget import HostBudget
 from mithril_async.memory.ring import SlotLease, SlotRing
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 
 
 def run(coro: object) -> object:

@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from mithril_async.errors import ChecksumMismatch, InvalidFormat
-from mithril_async.lossy.lossy_delta import LossyCheckpoint, LossyDeltaConfig, LossyDeltaEncoder
+from mithril_async.lossy.excp import LossyCheckpoint, LossyDeltaConfig, LossyDeltaEncoder
 from mithril_async.lossy.serial import checkpoint_to_bytes
 from mithril_async.lossy.training import adam_state
 from mithril_async.manifest import ShardRef

@@ -25,7 +25,7 @@ from mithril_async.errors import ChecksumMismatch, InvalidFormat, MissingPreviou
 from mithril_async.manifest import BaseRef, PieceMeta, ShardRef
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.restore import execute as execute_mod
-from mithril_async.restore.execute import Context, Progress, open_item, write_item
+from mithril_async.restore.execute import ExecuteResources, Progress, open_item, write_item
 from mithril_async.restore.fresh import FreshDecoder
 from mithril_async.restore.plan import pieces_read
 from mithril_async.restore.reshard import Box
@@ -92,7 +92,7 @@ async def _restore(codec: BlobEncoder, store: LocalStore, refs: dict[int, ShardR
                    targets: dict[str, ShardTarget], pool: Any, budget: int = 1 << 24,
                    verify: str = "block", load_blob: Any = _no_bases,
                    progress: Progress | None = None) -> Any:
-    ctx = Context(store, pool, FreshDecoder(pool), load_blob, budget)
+    ctx = ExecuteResources(store, pool, FreshDecoder(pool), load_blob, budget)
     opened = await open_item(ctx, pieces_read("model", refs, targets), "v000001", 1, verify,
                              budget)
     await write_item(ctx, opened, progress or Progress(), budget)

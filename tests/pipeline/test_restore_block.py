@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 
+import mithril_async.restore.block_decode as stream
 import mithril_async.restore.execute as execute
-import mithril_async.restore.stream as stream
 import mithril_async.restore.targets as targets
 import mithril_async.restore.windows as windows
 from mithril_async import CheckpointManager, ChecksumMismatch, Config, ConfigError, parse_config

@@ -18,9 +18,9 @@ from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.restore.reader import VersionReader
 from mithril_async.save.context import SaveContext
-from mithril_async.save.delta_chain import ChainPolicy
 from mithril_async.save.job import SaveJob
 from mithril_async.save.writers import BlobEncoder
+from mithril_async.save.xor_chain import ChainPolicy
 from mithril_async.storage.memory import MemoryStore
 from tests.manager.conftest import make_state, train_step
 

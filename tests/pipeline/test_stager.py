@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mithril_async.save.staging import Snapshot, StagingArea
+from mithril_async.save.staging import HostCopies, StagingArea
 from tests.manager.conftest import FakeEvent
 
 
@@ -41,14 +41,14 @@ def test_layout_change_reallocates_and_drops_stale() -> None:
 
 def test_snapshot_waits_for_device_event() -> None:
     ev = FakeEvent(polls=5)
-    snap = Snapshot({}, event=ev)
+    snap = HostCopies({}, event=ev)
     assert not snap.ready()
     asyncio.run(snap.wait(poll_s=0))
     assert snap.ready() and ev.left < 0
     ev2 = FakeEvent(polls=100)
-    Snapshot({}, event=ev2).wait_blocking()
+    HostCopies({}, event=ev2).wait_blocking()
     assert ev2.synchronized
-    assert Snapshot({}).ready()  # CPU snapshots are complete immediately
+    assert HostCopies({}).ready()  # CPU snapshots are complete immediately
 
 
 def test_plain_tensors_are_copied_in_one_native_call(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mithril_async import CheckpointManager
-from mithril_async.save.stream import StreamSnapshot
+from mithril_async.save.stream_snapshot import StreamSnapshot
 from tests.worker.test_streamed import big_state, streamed_config
 
 runs = sys.argv[1]

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     #: a staged tensor: a torch tensor in the trainer, a view of its staging memory in a
     #: checkpoint worker
     Staged = torch.Tensor | RawTensor
-from mithril_async.save.delta_choice import delta_pays
 from mithril_async.save.items import EncodePlan
+from mithril_async.save.xor_choice import delta_pays
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ChainPolicy:
     dedup: bool = False
     keyframe_interval: int = 8
     delta_base: str = "previous"  # or "keyframe"
-    #: a tensor is a delta only if estimated to save this much of its full size (delta_choice)
+    #: a tensor is a delta only if estimated to save this much of its full size (xor_choice)
     min_gain: float = 0.0
     byte_grouping: bool = True
 
@@ -115,7 +115,7 @@ def _raw(t: Staged) -> np.ndarray[Any, np.dtype[np.uint8]]:
 def plan_item(chain: ItemChain, tensors: dict[str, Staged]
               ) -> tuple[EncodePlan, dict[str, int]]:
     """Decide per tensor: reference (unchanged), XOR delta against the base (when that is
-    estimated to pay, :func:`~mithril_async.save.delta_choice.delta_pays`), or full.
+    estimated to pay, :func:`~mithril_async.save.xor_choice.delta_pays`), or full.
 
     Returns the plan and the raw xxh64 of every tensor stored in full (for later dedup).
     Runs on a worker thread: bytewise comparisons and hashes are memory-bound C loops.
