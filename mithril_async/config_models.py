@@ -103,7 +103,7 @@ class PipelineConfig(StrictTable):
     #: "worker" is only the default (the manager logs why and says so in
     #: ``manager.process``), and are refused with a ConfigError when the key says "worker"
     #: (worker_required). The default is "worker" (a busy training thread and
-    #: the save no longer slow each other through the GIL: docs/BENCHMARKS.md); the
+    #: the save do not slow each other through the GIL: docs/BENCHMARKS.md); the
     #: environment variable ``MITHRIL_PROCESS`` changes the default only
     process: Literal["worker", "inline"] = Field(default_factory=lambda: default_process())
 

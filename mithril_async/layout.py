@@ -1,4 +1,4 @@
-"""Key names of the seed-002 layout, in one place.
+"""Key names of a run's layout (docs/LAYOUT.md), in one place.
 
 Keys are relative to the store root, which is the parent of ``runs_path``; the first key
 component is the runs folder's name (``runs/<run_id>/versions/v000001/manifest.json``), so the
@@ -6,10 +6,10 @@ same keys work as local paths and as S3 object keys under a prefix.
 
 A version's per-rank files (shards, RNG files, lossy blobs) sit in the version folder for
 ranks 0-15 and, from rank 16 on, in a folder per group of :data:`RANKS_PER_FOLDER` ranks
-inside it (``v000001/ranks0016/opt_shard_rank0017.bin``): S3 serves about 3,500 writes per
-second per prefix, and 16 ranks writing 1 GB/s each in 8 MiB parts send about 1,900. Readers
-take every key from the manifest, so runs written before (every file in the version folder)
-read as they always did.
+inside it (``v000001/ranks0016/opt_shard_rank0017.bin``): S3 limits the writes per second of
+one prefix, and a folder per 16 ranks keeps a busy job's write rate per prefix under that
+limit (docs/BENCHMARKS.md). Readers take every key from the manifest, so a version with every
+file in the version folder reads the same.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ not affected. A save that failed is logged at ERROR naming its step, whoever lis
 ``manager.wait()`` and ``close()`` return only once every result of a finished save has been
 delivered (``flush``), so after them nothing is still on its way.
 
-``on_save`` (the older hook, kept for compatibility) is different: it runs on the background
+``on_save`` is different: it runs on the background
 loop *before* the save's handle resolves, for committed saves only, so code that must see or
 annotate the result before ``handle.result()`` returns can (``Tiers`` fills ``res.tiers``
 there). Its exceptions are logged and never fail a committed save. For logging and metrics,

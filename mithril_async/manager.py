@@ -100,8 +100,8 @@ class CheckpointManager:
 
     ``on_result``: called with every save's :class:`SaveResult` (committed, failed or skipped)
     on a thread of its own, never the caller's (:mod:`~mithril_async.listeners`); more with
-    :meth:`add_listener`. ``on_save``: the older hook, committed results only, on the
-    background loop before the save's handle resolves.
+    :meth:`add_listener`. ``on_save``: committed results only, on the background loop
+    before the save's handle resolves (to see or annotate a result first).
 
     With ``[checkpointing.tiers]`` it saves and restores through the tiers (``self.tiers``,
     :mod:`mithril_async.tiers.layer`); ``tier_remote``: the remote tier's store instead of

@@ -36,8 +36,9 @@ __all__ = ["HUFF_BACKENDS", "MIN_GAIN", "NATIVE_PLANES", "PlaneMethod", "decode_
            "encode_plane", "sample_entropy"]
 
 # Huffman-only deflate is a standard format, so the fastest available implementation can be
-# used on each side: zlib-ng encodes ~1.7x faster than zlib, libdeflate decodes ~1.5-2x
-# faster; stdlib zlib is the always-present fallback (and the format guarantee).
+# used on each side: zlib-ng to encode, libdeflate to decode (both faster than zlib; numbers
+# in docs/BENCHMARKS.md); stdlib zlib is the always-present fallback (and the format
+# guarantee).
 _zlib_enc: Any = zlib
 with contextlib.suppress(ImportError):  # optional accelerator
     from zlib_ng import zlib_ng as _zlib_enc

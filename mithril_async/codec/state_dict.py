@@ -265,9 +265,9 @@ def _new_bytes(n: int) -> tuple[bytes, U8] | None:
     None where the C API is out of reach (not CPython).
 
     Why: the blob is returned as ``bytes``, and ``b"".join`` of its parts is one serial copy
-    after all coding is done, most of it the page faults of the fresh output: on this VM a
-    33 MB join costs 25 ms where copying into touched memory costs 6 (a quarter of a
-    one-thread compress of fp32 weights).  Filling a new object lets every thread copy its
+    after all coding is done, most of it the page faults of the fresh output (several times
+    a copy into touched memory, and a large share of a one-thread compress of fp32
+    weights).  Filling a new object lets every thread copy its
     own range at once, and the object's memory is asked for huge pages (as numpy asks for its
     large arrays: one fault per 2 MiB instead of per 4 KiB).  This is how C code builds a
     bytes object: ``PyBytes_FromStringAndSize(NULL, n)``, then writing through
@@ -314,7 +314,7 @@ def _copy_parts(dst: U8, parts: list[Any], starts: list[int], lo: int, hi: int) 
     """Bytes ``[lo, hi)`` of the concatenation of ``parts`` (part ``i`` at ``starts[i]``) into
     ``dst[lo:hi]`` (numpy copies release the GIL).  A part wholly inside the range is then
     dropped from ``parts`` (set to None): the coders' buffers are freed by the threads that
-    copy them, not all at once by the calling thread afterwards (~3 ms for a 33 MB blob)."""
+    copy them, not all at once by the calling thread afterwards."""
     i = bisect.bisect_right(starts, lo) - 1
     while i < len(parts) and starts[i] < hi:
         s = starts[i]

@@ -20,13 +20,13 @@ is left. We follow that shape with three choices made for a checkpoint manager:
   matters is v's *relative* error, and v drifts densely (every entry decays/grows every step),
   which a sparse mask cannot follow. So v is coded as ``log2 v`` residuals: a dense per-row
   (dim 0) median shift (fp16, one per row) plus a sparse top-``v_density`` correction with its
-  own mask. Measured: at 19 deltas deep this cut v's relative error 0.55 -> 0.10 and the
-  resumed-loss gap 2.5 % -> 0.2 % (docs/FORMAT.md, HPΔKV section). ``v_log=False`` gives
+  own mask, which keeps v's relative error and the resumed loss close deep into a chain
+  (measured: docs/FORMAT.md, HPΔKV section). ``v_log=False`` gives
   the plain ExCP joint linear rule. exp_avg_sq always stays ``>= 0``.
 
 **Keyframes** start every chain (every ``keyframe_every`` checkpoints). By default they are
 lossless. ``keyframe_mode="quantized"`` quantises them too, because with lossless keyframes the
-keyframe dominates a chain's size (measured ~8x whole chain vs ~50x per delta): weights and
+keyframe dominates a chain's size (a delta is far smaller: docs/BENCHMARKS.md): weights and
 exp_avg at ``keyframe_bits`` / ``keyframe_moment_bits`` per value (uniform per block), and
 exp_avg_sq as ``log2 v`` at ``keyframe_moment_bits`` over its non-zero entries (its relative
 error is what Adam feels; zeros stay exactly zero). Such a keyframe reuses the delta record

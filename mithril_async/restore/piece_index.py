@@ -2,13 +2,13 @@
 
 A restore from pieces asks, for each tensor, which saved pieces overlap the box this rank
 needs. Looking through every saved rank's piece costs each rank ``saved ranks x tensors``;
-at thousands of ranks that is most of a restore. A :class:`PieceIndex` answers from the
+at thousands of ranks that would be most of a restore. A :class:`PieceIndex` answers from the
 manifest's piece layouts instead (:class:`~mithril_async.manifest.PieceLayout`): the pieces
 overlapping a box are computed from the mesh arithmetic
 (:func:`~mithril_async.mesh_layout.overlapping`), and each is mapped to the lowest saved rank
 at that mesh coordinate through a table built once per layout. Blobs that recorded their
-pieces one by one (manifests written before piece layouts, or pieces no mesh explains) are
-looked through as before.
+pieces one by one (pieces no mesh explains, or manifests without piece layouts) are looked
+through one by one.
 """
 
 from __future__ import annotations

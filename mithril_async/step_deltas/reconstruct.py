@@ -76,7 +76,7 @@ def read_metadata(delta_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise InvalidFormat(f"{path} is not valid JSON: {e}") from e
     if not isinstance(meta, dict):
         raise InvalidFormat(f"{path} is not a JSON object")
-    fmt = meta.get("format", METADATA_FORMAT)  # seed-003 files carry no format key
+    fmt = meta.get("format", METADATA_FORMAT)  # files of the first format carry no format key
     if fmt != METADATA_FORMAT:
         raise InvalidFormat(f"{path}: format {fmt!r} is not {METADATA_FORMAT!r}")
     version = meta.get("format_version", METADATA_VERSION)
