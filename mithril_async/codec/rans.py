@@ -207,7 +207,7 @@ def _decode_py_v2(b: bytes, out: U8, where: str) -> None:
 
 
 def _decode_py(b: bytes, out: U8, where: str) -> None:
-    """Reference decoder of format v1 (pure Python): the same checks as ``mr_decode``; slow, for tests."""
+    """Reference decoder of format v1 (pure Python, slow: tests): the checks of ``mr_decode``."""
     n = out.size
 
     def bad(why: str) -> InvalidFormat:
