@@ -68,6 +68,7 @@ from mithril_async import CheckpointManager
 from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config, config_from_dict
 from mithril_async.layout import RunLayout
+from mithril_async.live import LiveState
 from mithril_async.pipeline.coordinator import RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.restore.plan import make_plan
@@ -355,8 +356,7 @@ class Job:
         asyncio.run(read())
         t1 = main.now()
         m = got[0]
-        plan = make_plan(m, rank=r, world_size=world, rng=True,
-                         reshard=lambda item, pieces: states[item].reshard_targets(pieces))
+        plan = make_plan(m, rank=r, world_size=world, rng=True, live=LiveState(states))
         t2 = main.now()
         blobs_read = len([k for k in plan.keys() if not k.endswith(".json")])  # noqa: SIM118
         if not timed:

@@ -38,11 +38,11 @@ from mithril_async.errors import (
 from mithril_async.layout import RunLayout
 from mithril_async.lifetime import Owned
 from mithril_async.listeners import Listener, ResultListeners
+from mithril_async.live import LiveState
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.pipeline.results import SaveHandle, SaveResult
-from mithril_async.plain_state import bind_state
 from mithril_async.preemption import Preemption
 from mithril_async.restore.apply import (  # noqa: F401  (ResumeReport: re-exported)
     LiveRestore,
@@ -126,8 +126,8 @@ class CheckpointManager:
         self.config = with_absolute_paths(
             config if isinstance(config, Config) else Config(checkpointing=config))
         self.cfg = cfg = self.config.checkpointing
-        #: the items saved and restored: plain entries bound to ``state`` (written back there)
-        self.state = bind_state(state)
+        #: the items saved and restored, each bound to how (plain entries written back there)
+        self.state = LiveState(state)
         given = _unbuildable(store, coordinator, retention)
         refuse_unserved(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
@@ -166,10 +166,10 @@ class CheckpointManager:
                                   runs_prefix=runs_prefix or "runs",
                                   sharded_model=sharded_model, keep_all=keep_all,
                                   tiers=self.tiers)
-        #: where saves run: "worker" (the checkpoint process self._worker) or "inline"
-        self.process = "inline" if self._worker is None else "worker"
+        self.process = "inline" if self._worker is None else "worker"  #: where saves run
         #: the saves, one at a time, from the caller's thread to their handles
-        self.saves = SaveSequence(self._ctx, self._results, self._worker, lambda: self.loop,
+        self.saves = SaveSequence(self._ctx, self.state, self._results, self._worker,
+                                  lambda: self.loop,
                                   run_id=self.run_id, continued_run=self.continued_run)
         #: restores into the live state (read through the one reader, then applied)
         self.restorer = LiveRestore(

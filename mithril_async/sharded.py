@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mithril_async.errors import DistributedError, ShapeMismatch
+from mithril_async.live import Reshardable
 from mithril_async.manifest import MeshSplit, PieceMeta
 from mithril_async.restore.reshard import Box
 from mithril_async.state import unique_name
@@ -160,7 +161,7 @@ def pieces_of(obj: Any, names: Collection[str]) -> dict[str, PieceMeta]:
     captured at its last ``state_dict()``, for the flattened tensor ``names`` of that
     state dict; empty for any other object, or if the names disagree (then nothing claims
     to be reshardable)."""
-    pieces: dict[str, PieceMeta] = getattr(obj, "shard_pieces", None) or {}
+    pieces = obj.shard_pieces if isinstance(obj, Reshardable) else {}
     if not pieces:
         return {}
     if set(pieces) != set(names):

@@ -33,6 +33,7 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.config import config_from_dict
 from mithril_async.errors import DistributedError, InvalidFormat, SaveFailed
 from mithril_async.layout import RANKS_PER_FOLDER, RunLayout
+from mithril_async.live import LiveState
 from mithril_async.manifest import (
     MeshSplit,
     OptimizerEntry,
@@ -347,9 +348,18 @@ def _plan_work(saved_world: int, world: int, rank: int) -> list[int]:
     model, opt = fsdp_state(2, mesh_for(world), rank, saved_mesh=mesh_for(saved_world))
     states = {"model": model, "optimizer": opt}
     with _pieces_looked_at() as seen:
-        make_plan(m, rank=rank, world_size=world, rng=False,
-                  reshard=lambda item, pieces: states[item].reshard_targets(pieces))
+        make_plan(m, rank=rank, world_size=world, rng=False, live=LiveState(states))
     return seen
+
+
+class _Loader:
+    """A data loader's position (``get_state`` / ``set_state``)."""
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def test_a_reshard_reads_every_saved_ranks_state_file_only_for_data_loader_states() -> None:
@@ -357,10 +367,10 @@ def test_a_reshard_reads_every_saved_ranks_state_file_only_for_data_loader_state
 
     def rng_ranks(world: int, rank: int, all_rank_states: bool) -> tuple[int, ...]:
         model, opt = fsdp_state(2, mesh_for(world), rank, saved_mesh=mesh_for(64))
-        states = {"model": model, "optimizer": opt}
-        return make_plan(m, rank=rank, world_size=world, all_rank_states=all_rank_states,
-                         reshard=lambda item, pieces: states[item].reshard_targets(pieces)
-                         ).rng_ranks
+        states: dict[str, Any] = {"model": model, "optimizer": opt}
+        if all_rank_states:  # a data-loader state: a reshard maps every saved rank's
+            states["loader"] = _Loader()
+        return make_plan(m, rank=rank, world_size=world, live=LiveState(states)).rng_ranks
 
     assert rng_ranks(32, 5, True) == tuple(range(64))  # on_reshard gets every saved rank's
     assert rng_ranks(32, 5, False) == (5,)

@@ -23,18 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import RestoreIncomplete, VersionNotFound
 from mithril_async.layout import RunLayout
-from mithril_async.plain_state import PlainEntry
+from mithril_async.live import LiveState
 from mithril_async.restore.reader import DecodedVersion, VersionReader
-from mithril_async.restore.targets import live_targets, loaded_in_place
+from mithril_async.restore.targets import loaded_in_place
 from mithril_async.state import (
-    Stateful,
     default_on_reshard,
-    flatten_state,
     reseed_rng,
     restore_rng,
 )
@@ -110,7 +106,7 @@ class LiveRestore:
     overlapped snapshot's guard once the manager has one (None: none); ``worker``: its
     checkpoint worker (None: saves run inline)."""
 
-    def __init__(self, state: Mapping[str, Any], cfg: CheckpointingConfig,
+    def __init__(self, state: LiveState, cfg: CheckpointingConfig,
                  reader: VersionReader, layout: RunLayout, *, rank: int, world_size: int,
                  saves: SavesHandOn, guard: Callable[[], CopyGuard | None],
                  worker: WorkerChains | None) -> None:
@@ -134,31 +130,26 @@ class LiveRestore:
         return await self.reader.read_version(
             target, rank=self.rank, world_size=self.world_size, fallback=fallback,
             items={"model"} if load == "model" else None, rng=load != "model",
-            all_rank_states=any(not isinstance(obj, Stateful) for obj in self.state.values()),
-            reshard=self.reshard_targets, in_place=self.in_place_targets,
+            live=self,
             verify=verify or self.cfg.restore.verify)
 
+    @property
+    def has_json_states(self) -> bool:
+        """Some item is a data-loader state (a reshard maps every saved rank's)."""
+        return self.state.has_json_states
+
+    def _restored(self, item: str) -> bool:
+        return item != "optimizer" or self.cfg.resume_optimizer
+
     def in_place_targets(self, item: str) -> Mapping[str, Any] | None:
-        """The live tensors of a (not sharded) item by stored name, to decode straight into:
-        those of its state_dict() proven to share storage with its live parameters, buffers
-        or optimizer state (a state dict may hold copies: those are decoded into fresh
-        tensors and loaded)."""
-        obj = self.state.get(item)
-        if not isinstance(obj, Stateful) or hasattr(obj, "reshard_targets"):
-            return None
-        if item == "optimizer" and not self.cfg.resume_optimizer:
-            return None
-        return live_targets(obj, flatten_state(obj.state_dict())[1])
+        """The live tensors of ``item`` to decode straight into
+        (:meth:`LiveState.in_place_targets`), for an item this restore loads."""
+        return self.state.in_place_targets(item) if self._restored(item) else None
 
     def reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
-        """Where a restore from pieces writes ``item`` on this rank (sharded items only)."""
-        obj = self.state.get(item)
-        if obj is None or not hasattr(obj, "reshard_targets"):
-            return None
-        if item == "optimizer" and not self.cfg.resume_optimizer:
-            return None
-        targets: dict[str, Any] = obj.reshard_targets(pieces)
-        return targets
+        """Where a restore from pieces writes ``item`` on this rank (sharded items only),
+        for an item this restore loads."""
+        return self.state.reshard_targets(item, pieces) if self._restored(item) else None
 
     def apply(self, decoded: DecodedVersion, load: str,
               on_reshard: OnReshard = default_on_reshard) -> RestoreResult:
@@ -182,10 +173,9 @@ class LiveRestore:
         guard = self._guard()
         if guard is not None:  # a copy still reading the live tensors finishes first
             guard.wait()
-        for name, obj in self.state.items():  # plain entries: all checked before any write
-            if isinstance(obj, PlainEntry) and name in decoded.trees and (
-                    load == "all" or name == "model"):
-                obj.check(decoded.trees[name])
+        for name, b in self.state.bindings.items():  # plain entries: checked before writes
+            if b.kind == "plain" and name in decoded.trees and (load == "all" or name == "model"):
+                b.obj.check(decoded.trees[name])
         notes = self._load_items(decoded, load, on_reshard)
         resharded = decoded.rng_by_rank is not None
         if load == "all":
@@ -206,17 +196,18 @@ class LiveRestore:
         m, trees, rng_doc = decoded.manifest, decoded.trees, decoded.rng
         by_rank = decoded.rng_by_rank
         notes: list[str] = []
-        for name, obj in self.state.items():
+        for name, b in self.state.bindings.items():
+            obj = b.obj
             if load == "model" and name != "model":
                 continue
-            if name == "optimizer" and not self.cfg.resume_optimizer:
+            if not self._restored(name):
                 continue
             if name in decoded.from_pieces:
                 obj.load_resharded(trees[name])
-            elif isinstance(obj, Stateful):
+            elif b.stateful:
                 if name not in trees:
                     raise VersionNotFound(f"{m.version_id} has no state for {name!r}")
-                if name in decoded.in_place and isinstance(obj, torch.nn.Module) \
+                if name in decoded.in_place and b.kind == "module" \
                         and loaded_in_place(obj, trees[name]):
                     continue  # every tensor was decoded into the module's own: nothing to load
                 obj.load_state_dict(trees[name])

@@ -36,7 +36,7 @@ from mithril_async.restore.piece_index import PieceIndex
 from mithril_async.restore.reshard import copy_runs, plan_reads
 from mithril_async.restore.targets import CopyRuns
 
-__all__ = ["VERIFY_MODES", "BlobRead", "InPlaceTargets", "PieceSource", "PiecesRead",
+__all__ = ["VERIFY_MODES", "BlobRead", "LiveTargets", "PieceSource", "PiecesRead",
            "ReshardTargets", "RestorePlan", "make_plan", "per_rank_items", "pieces_read",
            "rank_ref"]
 
@@ -55,9 +55,24 @@ VERIFY_MODES = ("block", "whole")
 #: ``reshard(item, saved pieces by tensor name)``: where this rank writes each tensor of a
 #: sharded item (``distributed.ShardTarget``s), or None when the live object is not sharded
 ReshardTargets = Callable[[str, dict[str, PieceMeta]], "dict[str, Any] | None"]
-#: ``in_place(item)``: the live tensors of an item by stored name, to decode into (None: the
-#: item is decoded into fresh tensors)
-InPlaceTargets = Callable[[str], "Mapping[str, torch.Tensor] | None"]
+
+
+class LiveTargets(Protocol):
+    """What a plan asks of the live state it restores into (the manager's
+    :class:`~mithril_async.restore.apply.LiveRestore`; :class:`~mithril_async.live.LiveState`
+    for any mapping of live objects)."""
+
+    @property
+    def has_json_states(self) -> bool:
+        """Some item is a data-loader state: a reshard maps every saved rank's."""
+
+    def reshard_targets(self, item: str, pieces: dict[str, PieceMeta]
+                        ) -> dict[str, Any] | None:
+        """Where this rank writes each tensor of a sharded item; None: not sharded."""
+
+    def in_place_targets(self, item: str) -> Mapping[str, torch.Tensor] | None:
+        """The live tensors of an item by stored name, to decode straight into (None: it is
+        decoded into fresh tensors)."""
 
 
 @dataclass(frozen=True)
@@ -123,19 +138,20 @@ class RestorePlan:
 @gc_paused()  # thousands of small objects and no cycle among them: collected once after
 def make_plan(m: VersionManifest, *, rank: int = 0, world_size: int | None = None,
               items: Collection[str] | None = None, rng: bool = True,
-              all_rank_states: bool = True,
-              reshard: ReshardTargets | None = None, in_place: InPlaceTargets | None = None,
-              verify: str = "block", remote_reads: bool = False) -> RestorePlan:
+              live: LiveTargets | None = None, verify: str = "block",
+              remote_reads: bool = False) -> RestorePlan:
     """Plan the restore of ``m`` for ``rank`` of a job of ``world_size`` ranks (None: a
     tool reading what rank ``rank`` saved). ``items``: the state items to restore (None:
-    all); ``rng``: also read the RNG/state file(s); ``all_rank_states``: a reshard maps
-    every saved rank's data-loader states (the live state has ``get_state()`` objects), so
-    every saved rank's file is read; False: only this rank's, or the lowest saved rank's
-    for a rank that did not exist (its RNG is reseeded from it); ``reshard`` / ``in_place``:
-    the live state's targets (the manager's); ``remote_reads``: the store's reads cross a
+    all); ``rng``: also read the RNG/state file(s); ``live``: the live state restored into
+    (None: a tool's read into fresh tensors), whose sharded items take their pieces on any
+    world size and whose other tensors are decoded into where they can; a reshard reads
+    every saved rank's RNG/state file when the live state has data-loader states (or
+    without a live state), else only this rank's, or the lowest saved rank's for a rank
+    that did not exist (its RNG is reseeded from it); ``remote_reads``: the store's reads cross a
     network, where a blob needing two reads is decoded fresh in one verified pass instead."""
-    if world_size is not None and reshard is not None:
-        sharded = _pieces_targets(m, rank, world_size, items, reshard)
+    all_rank_states = True if live is None else live.has_json_states
+    if world_size is not None and live is not None:
+        sharded = _pieces_targets(m, rank, world_size, items, live.reshard_targets)
         if sharded is not None:
             return _pieces_plan(m, rank, items, rng, all_rank_states, verify, *sharded)
     model_only = items is not None and set(items) == {"model"}
@@ -156,11 +172,11 @@ def make_plan(m: VersionManifest, *, rank: int = 0, world_size: int | None = Non
     for name, ref in refs.items():
         fmt = blob_format(ref.format, ref.key)
         two_pass = verify == "whole" or not fmt.block_hashes
-        in_place_ok = (in_place is not None and lossy_rank is None and fmt.in_place
+        in_place_ok = (live is not None and lossy_rank is None and fmt.in_place
                        and ref.base is None and not ref.refs and not (remote_reads and two_pass))
-        live = in_place(name) if in_place_ok and in_place is not None else None
-        if live:
-            reads.append(BlobRead(name, ref, live, verify_first=two_pass))
+        into = live.in_place_targets(name) if in_place_ok and live is not None else None
+        if into:
+            reads.append(BlobRead(name, ref, into, verify_first=two_pass))
         else:
             reads.append(BlobRead(name, ref))
     return RestorePlan(m, rank, verify, blobs=tuple(reads),

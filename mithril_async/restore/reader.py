@@ -46,8 +46,7 @@ from mithril_async.restore.execute import DecodedVersion, ExecuteResources, Prog
 from mithril_async.restore.fresh import BaseLoader, FreshDecoder
 from mithril_async.restore.plan import (
     VERIFY_MODES,
-    InPlaceTargets,
-    ReshardTargets,
+    LiveTargets,
     RestorePlan,
     make_plan,
     rank_ref,
@@ -129,33 +128,28 @@ class VersionReader:
 
     def plan(self, m: VersionManifest, *, rank: int = 0, world_size: int | None = None,
              items: Collection[str] | None = None, rng: bool = True,
-             all_rank_states: bool = True,
-             reshard: ReshardTargets | None = None, in_place: InPlaceTargets | None = None,
-             verify: str = "block") -> RestorePlan:
+             live: LiveTargets | None = None, verify: str = "block") -> RestorePlan:
         """The plan of restoring ``m`` (:func:`~mithril_async.restore.plan.make_plan`) for
         this reader's store."""
         store = self.catalog.store
         remote = isinstance(store, RemoteReads) and store.remote_reads
         return make_plan(m, rank=rank, world_size=world_size, items=items, rng=rng,
-                         all_rank_states=all_rank_states, reshard=reshard,
-                         in_place=in_place, verify=verify, remote_reads=remote)
+                         live=live, verify=verify, remote_reads=remote)
 
     async def read_version(self, target: str | int, *, rank: int = 0,
                            world_size: int | None = None, items: Collection[str] | None = None,
-                           rng: bool = True, all_rank_states: bool = True,
-                           fallback: bool = False, reshard: ReshardTargets | None = None,
-                           in_place: InPlaceTargets | None = None,
+                           rng: bool = True, fallback: bool = False,
+                           live: LiveTargets | None = None,
                            verify: str = "block") -> DecodedVersion:
         """Decode ``target`` ("latest", "best", "v000003", a step, a manifest key) for ``rank``.
 
         ``items``: the state items to decode (None: all). ``rng``: also read and verify the
-        rank's RNG/state file; ``all_rank_states``: on a reshard, every saved rank's too
-        (False when the live state maps no data-loader states). ``world_size``: the reading
-        job's, when it will resume from the version: a version saved by another number of
-        ranks is refused with a :class:`~mithril_async.errors.DistributedError` that says
-        what is possible, unless its sharded items recorded their pieces and ``reshard``
-        gives the live targets.
-        ``in_place``: the live tensors of each item, decoded straight into.
+        rank's RNG/state file (on a reshard every saved rank's, when the live state maps
+        data-loader states). ``world_size``: the reading job's, when it will resume from
+        the version: a version saved by another number of ranks is refused with a
+        :class:`~mithril_async.errors.DistributedError` that says what is possible, unless
+        its sharded items recorded their pieces and ``live`` takes them.
+        ``live``: the live state restored into (:func:`~.plan.make_plan`).
         ``fallback``: if the target does not verify, the newest older version that does is
         returned (a warning names what was skipped); :class:`VersionNotFound` if none does.
         When the target failed after writing into the live state (``verify = "block"``),
@@ -168,8 +162,7 @@ class VersionReader:
                               f"{', '.join(map(repr, VERIFY_MODES))}")
         key = await self.catalog.resolve(target)
         kw: dict[str, Any] = dict(rank=rank, world_size=world_size, items=items, rng=rng,
-                                  all_rank_states=all_rank_states, reshard=reshard,
-                                  in_place=in_place, verify=verify)
+                                  live=live, verify=verify)
         progress = Progress()
         try:
             return await self._decode(key, progress, **kw)
@@ -247,7 +240,8 @@ class VersionReader:
         m = await self.catalog.read_manifest(key)
         plan = self.plan(m, **kw)
         ctx = ExecuteResources(self.catalog.store, self.pool, self.decoder,
-                      BaseLoader(self.catalog, self.decoder, m.version_id), self.inflight)
+                               BaseLoader(self.catalog, self.decoder, m.version_id),
+                               self.inflight)
         return await execute(plan, ctx, progress, self.read_rng, self._read_lossy)
 
     async def read_rng(self, m: VersionManifest, rank: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ slot ring of streamed saves. Everything that belongs to one save alone lives on 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,7 @@ class SaveContext:
     """What the saves of one manager share, and hand from one save to the next."""
 
     config: Config
-    state: dict[str, Any]
+    state: Mapping[str, Any]
     store: Store
     layout: RunLayout
     catalog: RunCatalog
@@ -84,7 +84,7 @@ class SaveContext:
     new_area: Callable[[], BufferSet] = staging_area
 
     @classmethod
-    def for_run(cls, config: Config, state: dict[str, Any], store: Store, layout: RunLayout,
+    def for_run(cls, config: Config, state: Mapping[str, Any], store: Store, layout: RunLayout,
                 catalog: RunCatalog, coordinator: Coordinator, pool: CodecPool, *,
                 retention: Policy | None, sharded_model: bool = False,
                 **kw: Any) -> SaveContext:

@@ -24,7 +24,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -156,18 +156,6 @@ class StreamCopy:
 
     def wait_blocking(self) -> float:
         return self._wait()
-
-
-def optimizers_in(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
-    """The optimizers a state holds: directly, or wrapped in an ``.optimizer`` attribute
-    (:class:`~mithril_async.sharded.ShardedOptimizer`, integration adapters, a user's
-    wrapper: looked up as any attribute, so one delegated through ``__getattr__`` counts)."""
-    found: list[torch.optim.Optimizer] = []
-    for obj in state.values():
-        opt = obj if isinstance(obj, torch.optim.Optimizer) else getattr(obj, "optimizer", None)
-        if isinstance(opt, torch.optim.Optimizer) and all(opt is not o for o in found):
-            found.append(opt)
-    return found
 
 
 def _owned_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

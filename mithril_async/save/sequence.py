@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from mithril_async.errors import SaveFailed, SaveInProgress, StepAlreadyExists
 from mithril_async.listeners import ResultListeners
+from mithril_async.live import LiveState
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
-from mithril_async.save.overlap import StepGuard, optimizers_in
+from mithril_async.save.overlap import StepGuard
 from mithril_async.save.waiting import Consumed, DeviceCopied, Done, Result, Wait
 
 if TYPE_CHECKING:
@@ -41,10 +42,11 @@ class SaveSequence:
     started (with its start-up maintenance) on first use; ``continued_run``: the manager
     continues the runs folder's current run (said when a step already exists)."""
 
-    def __init__(self, ctx: SaveContext, results: ResultListeners,
+    def __init__(self, ctx: SaveContext, live: LiveState, results: ResultListeners,
                  worker: WorkerClient | None, loop: Callable[[], BackgroundLoop], *,
                  run_id: str, continued_run: bool) -> None:
         self.ctx = ctx
+        self.live = live
         self.results = results
         self.worker = worker
         self._loop = loop
@@ -167,7 +169,7 @@ class SaveSequence:
         if self.ctx.config.checkpointing.pipeline.snapshot != "overlapped":
             return frozenset()
         if self.guard is None:
-            self.guard = StepGuard(optimizers_in(self.ctx.state))
+            self.guard = StepGuard(self.live.optimizers())
             if not self.guard.optimizers:
                 log.warning('snapshot = "overlapped": no optimizer in the state, so nothing '
                             "is guarded and every tensor is copied before save() returns")

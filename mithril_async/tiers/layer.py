@@ -27,7 +27,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Literal, Protocol, TypeVar, cast
 
 from mithril_async.config import CheckpointingConfig, Config
 from mithril_async.distributed import DistCoordinator, dist_world
@@ -37,7 +37,7 @@ from mithril_async.manifest import VersionManifest
 from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.results import SaveResult
-from mithril_async.restore.plan import ReshardTargets, RestorePlan, make_plan
+from mithril_async.restore.plan import LiveTargets, RestorePlan, make_plan
 from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
@@ -62,15 +62,14 @@ T = TypeVar("T")
 OnSave = Callable[[SaveResult], None]
 
 
-class Restorer(Protocol):
-    """What the tiers ask of the manager they serve: who it is, its run, where a sharded
-    restore writes (the same callback its reader plans with)."""
+class Restorer(LiveTargets, Protocol):
+    """What the tiers ask of the manager they serve: who it is, its run, and the live state
+    its restores go into (the files a recovery fetches are those of the very plan its
+    reader makes)."""
 
     rank: int
     world_size: int
     layout: RunLayout
-
-    def reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None: ...
 
 
 class Tiers:
@@ -318,11 +317,10 @@ class Tiers:
         mgr = self._manager
         assert mgr is not None
         items, rng = ({"model"}, False) if load == "model" else (None, True)
-        reshard: ReshardTargets = mgr.reshard_targets
 
         def plan(m: VersionManifest) -> RestorePlan:
             return make_plan(m, rank=mgr.rank, world_size=mgr.world_size, items=items,
-                             rng=rng, reshard=reshard)
+                             rng=rng, live=mgr)
 
         return lambda m: files_to_restore(m, plan)
 

@@ -351,6 +351,23 @@ def _sharded_manifest(world: int, rows: int = 8) -> Any:
                            for r in range(world)]))
 
 
+class _Targets:
+    """A live state of data-loader states and sharded items whose targets ``fn`` gives
+    (:class:`~mithril_async.restore.plan.LiveTargets`)."""
+
+    has_json_states = True
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def reshard_targets(self, item: str, pieces: dict[str, Any]) -> dict[str, Any] | None:
+        got: dict[str, Any] | None = self.fn(item, pieces)
+        return got
+
+    def in_place_targets(self, item: str) -> None:
+        return None
+
+
 def test_resharded_files_are_the_overlapping_saved_ranks() -> None:
     """4 saved ranks onto 2: each new rank fetches what its restore plan reads: the saved
     blobs its rows overlap, and the lowest saved rank's (skeleton, replicated step), every
@@ -370,8 +387,9 @@ def test_resharded_files_are_the_overlapping_saved_ranks() -> None:
         return targets
 
     def files(rank: int, world: int, targets: Any) -> list[Need]:
+        live = None if targets is None else _Targets(targets)
         return files_to_restore(m, lambda v: make_plan(v, rank=rank, world_size=world,
-                                                        reshard=targets))
+                                                        live=live))
 
     def blobs(needs: list[Any]) -> set[int]:
         return {n.owner for n in needs if "opt_shard" in n.key}
