@@ -69,9 +69,9 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.config import Config, config_from_dict
 from mithril_async.layout import RunLayout
 from mithril_async.live import LiveState
-from mithril_async.pipeline.coordinator import RankPart
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.restore.plan import make_plan
+from mithril_async.save.coordinator import RankPart
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.testing.counting import READS, WRITES, CountingStore
 from mithril_async.testing.ranks import SimCoordinator, SimGroup

@@ -57,10 +57,6 @@ if TYPE_CHECKING:
     )
     from mithril_async.distributed import DistCoordinator
     from mithril_async.manager import CheckpointManager
-    from mithril_async.pipeline.results import (
-        SaveHandle,
-        SaveResult,
-    )
     from mithril_async.restore.apply import RestoreResult, ResumeReport
     from mithril_async.retention import (
         KeepAny,
@@ -68,6 +64,10 @@ if TYPE_CHECKING:
         KeepEveryNSteps,
         KeepLastN,
         Policy,
+    )
+    from mithril_async.save.results import (
+        SaveHandle,
+        SaveResult,
     )
     from mithril_async.state import TensorDict
     from mithril_async.storage import open_store
@@ -92,8 +92,8 @@ _LAZY: dict[str, str] = {
     "Policy": "mithril_async.retention",
     "RestoreResult": "mithril_async.restore.apply",
     "ResumeReport": "mithril_async.restore.apply",
-    "SaveHandle": "mithril_async.pipeline.results",
-    "SaveResult": "mithril_async.pipeline.results",
+    "SaveHandle": "mithril_async.save.results",
+    "SaveResult": "mithril_async.save.results",
     "Store": "mithril_async.storage.base",
     "TensorDict": "mithril_async.state",
     "compress_state_dict": "mithril_async.codec",

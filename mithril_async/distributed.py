@@ -1,4 +1,4 @@
-"""The save protocol of :mod:`mithril_async.pipeline.coordinator` over ``torch.distributed``.
+"""The save protocol of :mod:`mithril_async.save.coordinator` over ``torch.distributed``.
 
 Why a separate group: checkpoint traffic (version numbers, blob reports, the commit verdict)
 must never queue behind — or in front of — the training collectives, which may run on NCCL and
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from mithril_async.errors import DistributedError
 from mithril_async.manifest import PieceLayout, gc_paused
-from mithril_async.pipeline.coordinator import (
+from mithril_async.save.coordinator import (
     Outcome,
     RankPart,
     compact_part,

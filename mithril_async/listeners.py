@@ -1,6 +1,6 @@
 """Who hears of each save's result, and on which thread: :class:`ResultListeners`.
 
-Every :class:`~mithril_async.pipeline.results.SaveResult` a manager produces (committed,
+Every :class:`~mithril_async.save.results.SaveResult` a manager produces (committed,
 failed, or skipped because the pipeline was busy) is handed to the manager's listeners
 (``CheckpointManager(on_result=...)``, ``manager.add_listener(fn)``) on a dispatcher thread of
 their own, in the order the saves ended: the training thread only appends to a queue, so a
@@ -14,7 +14,7 @@ delivered (``flush``), so after them nothing is still on its way.
 
 ``on_save`` is different: it runs on the background
 loop *before* the save's handle resolves, for committed saves only, so code that must see or
-annotate the result before ``handle.result()`` returns can (``Tiers`` fills ``res.tiers``
+annotate the result before ``handle.result()`` returns can (``TierLayer`` fills ``res.tiers``
 there). Its exceptions are logged and never fail a committed save. For logging and metrics,
 use ``on_result``.
 """
@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable
 
-from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.results import SaveResult
 
 __all__ = ["Listener", "ResultListeners"]
 

@@ -39,10 +39,8 @@ from mithril_async.layout import RunLayout
 from mithril_async.lifetime import Owned
 from mithril_async.listeners import Listener, ResultListeners
 from mithril_async.live import LiveState
-from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop, lower_priority
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.preemption import Preemption
 from mithril_async.restore.apply import (  # noqa: F401  (ResumeReport: re-exported)
     LiveRestore,
@@ -54,6 +52,8 @@ from mithril_async.restore.reader import VersionReader
 from mithril_async.retention import Policy, from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.context import SaveContext
+from mithril_async.save.coordinator import Coordinator, LocalCoordinator
+from mithril_async.save.results import SaveHandle, SaveResult
 from mithril_async.save.sequence import SaveSequence
 from mithril_async.save.waiting import (
     run_awaiting,
@@ -63,7 +63,7 @@ from mithril_async.state import (
     default_on_reshard,
 )
 from mithril_async.storage.base import Store
-from mithril_async.tiers.layer import Tiers
+from mithril_async.tiers.layer import TierLayer
 from mithril_async.worker.placement import refuse_unserved, worker_for
 
 log = logging.getLogger("mithril_async")
@@ -131,7 +131,7 @@ class CheckpointManager:
         given = _unbuildable(store, coordinator, retention)
         refuse_unserved(self.config, given)  # before anything is started
         #: the tiers this manager saves and restores through ([checkpointing.tiers]; None: off)
-        self.tiers = Tiers.of(self.config, remote=tier_remote)
+        self.tiers = TierLayer.of(self.config, remote=tier_remote)
         if self.tiers is not None:  # this node's folder, the tier commit, retention per tier
             self.config, store, runs_prefix, coordinator, on_save = self.tiers.parts(
                 store, runs_prefix, coordinator, on_save)

@@ -72,8 +72,8 @@ import torch.distributed as dist
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import ConfigError, DistributedError
 from mithril_async.listeners import ResultListeners
-from mithril_async.pipeline.coordinator import Coordinator, GroupBacked
-from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.coordinator import Coordinator, GroupBacked
+from mithril_async.save.results import SaveResult
 
 __all__ = ["Preemption", "RankAgreement"]
 

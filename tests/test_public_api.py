@@ -3,6 +3,10 @@ nothing private is."""
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
+
 import mithril_async
 from mithril_async import errors
 
@@ -22,3 +26,22 @@ def test_what_a_restore_and_a_store_give_back_is_exported() -> None:
     for name in ("RestoreResult", "ResumeReport", "SaveResult", "SaveHandle", "Store",
                  "BlobWriter", "open_store"):
         assert name in mithril_async.__all__, name
+
+
+@pytest.mark.parametrize(("old", "new", "name"), [
+    ("mithril_async.pipeline.results", "mithril_async.save.results", "SaveResult"),
+    ("mithril_async.pipeline.coordinator", "mithril_async.save.coordinator", "RankPart"),
+])
+def test_a_moved_module_still_imports_for_a_release_with_a_warning(
+        old: str, new: str, name: str) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {new}"):
+        got = getattr(importlib.import_module(old), name)
+    assert got is getattr(importlib.import_module(new), name)
+
+
+def test_the_tier_layer_class_keeps_its_old_name_for_a_release() -> None:
+    from mithril_async.tiers import layer
+
+    with pytest.warns(DeprecationWarning, match="Tiers is now TierLayer"):
+        old = layer.Tiers
+    assert old is layer.TierLayer

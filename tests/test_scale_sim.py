@@ -49,10 +49,10 @@ from mithril_async.manifest import (
     utcnow,
 )
 from mithril_async.mesh_layout import mesh_box, overlapping
-from mithril_async.pipeline.coordinator import RankPart, compact_part
 from mithril_async.restore.piece_index import PieceIndex
 from mithril_async.restore.plan import make_plan
 from mithril_async.restore.reshard import Box
+from mithril_async.save.coordinator import RankPart, compact_part
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.testing.counting import WRITES, CountingStore

@@ -88,9 +88,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from mithril_async.config import Config, config_from_dict
 from mithril_async.errors import StepAlreadyExists
 from mithril_async.manager import CheckpointManager
-from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.pipeline.loop import run_to_completion
-from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.coordinator import LocalCoordinator
+from mithril_async.save.results import SaveResult
 
 __all__ = ["MithrilTrainerCallback", "write_hf_checkpoint"]
 

@@ -35,11 +35,11 @@ from mithril_async.manifest import (
     version_id,
     version_number,
 )
-from mithril_async.pipeline.coordinator import Outcome, RankPart
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import apply_retention
 from mithril_async.save.context import SaveContext
+from mithril_async.save.coordinator import Outcome, RankPart
 from mithril_async.save.nonfinite import blocking, describe, failure
+from mithril_async.save.results import SaveResult
 from mithril_async.save.xor_chain import depends_on
 from mithril_async.storage.capabilities import sizes_under
 

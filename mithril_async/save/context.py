@@ -18,11 +18,11 @@ from mithril_async.config import Config
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import BlobRef, version_id
 from mithril_async.memory.budget import HostBudget
-from mithril_async.pipeline.coordinator import Coordinator
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import Policy
 from mithril_async.save.buffers import BufferSet
+from mithril_async.save.coordinator import Coordinator
+from mithril_async.save.results import SaveResult
 from mithril_async.save.writers import BlobEncoder
 from mithril_async.save.xor_chain import ChainPolicy, ItemChain
 from mithril_async.storage.base import Store

@@ -15,7 +15,7 @@ loop):
    already encodes; blob keys are futures, so the first bytes wait for the number, not the
    encoder.
 3. Every rank writes its blobs and RNG file durably and reports a
-   :class:`~mithril_async.pipeline.coordinator.RankPart`.
+   :class:`~mithril_async.save.coordinator.RankPart`.
 4. Rank 0 commits the manifest iff every part is good and nothing another process did broke
    the version (:mod:`~mithril_async.save.commit`); then aliases, ``run.json`` and
    retention. Every rank learns the outcome; a failed or cancelled save deletes what it wrote
@@ -41,13 +41,13 @@ import xxhash
 
 from mithril_async.errors import DistributedError, NonFiniteState
 from mithril_async.manifest import BaseRef, BlobRef, ShardRef, VersionManifest, version_id
-from mithril_async.pipeline.coordinator import Outcome, RankPart
 from mithril_async.pipeline.loop import all_or_first_error
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.commit import VersionCommit
 from mithril_async.save.context import SaveContext
+from mithril_async.save.coordinator import Outcome, RankPart
 from mithril_async.save.items import EncodePlan, StagedItem
 from mithril_async.save.nonfinite import count_tensors, mark_allowed
+from mithril_async.save.results import SaveResult
 from mithril_async.save.snapshot import HandedOff, StateSnapshot
 from mithril_async.save.xor_chain import ItemChain, commit_item, depends_on, plan_item
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mithril_async.device import await_event, order_after
-from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.results import SaveResult
 from mithril_async.save.staging import Job, copy_jobs, default_copy_threads, torn, torn_error
 from mithril_async.save.stream_snapshot import StreamSnapshot
 from mithril_async.sharded import to_local

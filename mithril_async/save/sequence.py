@@ -24,10 +24,10 @@ from mithril_async.errors import SaveFailed, SaveInProgress, StepAlreadyExists
 from mithril_async.listeners import ResultListeners
 from mithril_async.live import LiveState
 from mithril_async.pipeline.loop import BackgroundLoop
-from mithril_async.pipeline.results import SaveHandle, SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
 from mithril_async.save.overlap import StepGuard
+from mithril_async.save.results import SaveHandle, SaveResult
 from mithril_async.save.waiting import Consumed, DeviceCopied, Done, Result, Wait
 
 if TYPE_CHECKING:

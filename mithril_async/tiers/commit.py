@@ -27,7 +27,7 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.errors import KeyExists, KeyNotFound, StorageError
 from mithril_async.layout import RunLayout
 from mithril_async.manifest import VersionManifest, parse_model
-from mithril_async.pipeline.coordinator import Coordinator, GroupBacked, Outcome, RankPart
+from mithril_async.save.coordinator import Coordinator, GroupBacked, Outcome, RankPart
 from mithril_async.storage.base import Store
 from mithril_async.tiers.node_store import NodeStore
 from mithril_async.tiers.numbering import claim_above

@@ -1,6 +1,6 @@
 """The tier layer of one process, as :class:`~mithril_async.manager.CheckpointManager` uses it.
 
-A manager whose config has a ``[checkpointing.tiers]`` table builds a :class:`Tiers` and runs
+A manager whose config has a ``[checkpointing.tiers]`` table builds a :class:`TierLayer` and runs
 on it: its store is this node's folder (:class:`~mithril_async.tiers.node_store.NodeStore`), its
 coordinator a :class:`~mithril_async.tiers.commit.TierCoordinator` around the usual one, and
 its retention per tier. A save commits on every node's folder before its handle resolves
@@ -27,17 +27,17 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from mithril_async.config import CheckpointingConfig, Config
 from mithril_async.distributed import DistCoordinator, dist_world
 from mithril_async.errors import ConfigError, StorageError
 from mithril_async.layout import RunLayout, new_run_id
 from mithril_async.manifest import VersionManifest
-from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.restore.plan import LiveTargets, RestorePlan, make_plan
+from mithril_async.save.coordinator import Coordinator, LocalCoordinator
+from mithril_async.save.results import SaveResult
 from mithril_async.storage import open_store
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore
@@ -72,7 +72,7 @@ class Restorer(LiveTargets, Protocol):
     layout: RunLayout
 
 
-class Tiers:
+class TierLayer:
     """The tiers of one process: node folder, replica folder, remote, the peer link, and the
     background work; see the module docstring. ``remote``: a store to use as the remote tier
     instead of opening ``[checkpointing.remote]`` (tests count its requests). ``link`` and
@@ -117,7 +117,7 @@ class Tiers:
         self._closed = False
 
     @classmethod
-    def of(cls, config: Config, *, remote: Store | None = None) -> Tiers | None:
+    def of(cls, config: Config, *, remote: Store | None = None) -> TierLayer | None:
         """The tiers ``config`` asks for (``[checkpointing.tiers]``), None without the table;
         ``remote`` without the table is a :class:`ConfigError` (it would be ignored)."""
         if config.checkpointing.tiers is None:
@@ -138,7 +138,7 @@ class Tiers:
                 remote = open_store(cfg.remote)
             self._loop.run(_probe(remote, cfg, tcfg), timeout=tcfg.commit_timeout_s + 5)
             return remote
-        except BaseException:  # nothing of a Tiers that failed to start stays running
+        except BaseException:  # nothing of a TierLayer that failed to start stays running
             if remote is not None:
                 with contextlib.suppress(Exception):
                     self._loop.run(remote.close())
@@ -370,3 +370,13 @@ def _attempt(attempt: Callable[[str], T], vid: str) -> tuple[T | None, BaseExcep
     except Exception as err:
         return None, err
 
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Tiers":  # the class's earlier name, for a release
+        import warnings
+
+        warnings.warn("mithril_async.tiers.layer.Tiers is now TierLayer", DeprecationWarning,
+                      stacklevel=2)
+        return TierLayer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

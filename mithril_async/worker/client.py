@@ -7,7 +7,7 @@ never a re-import of the training script, so a script without an ``if __name__ =
 is made; its start-up runs in the background while training goes on (a save made before it
 is ready is handed over from the background once it is). A save's hand-off is the
 snapshot's place in shared memory (:mod:`~mithril_async.worker.shm`) plus small JSON; the
-worker's answer fills the save's :class:`~mithril_async.pipeline.results.SaveResult`, and the
+worker's answer fills the save's :class:`~mithril_async.save.results.SaveResult`, and the
 trainer follows it (base buffer sets, committed steps after retention) whatever became of the
 save. A save cancelled here after its hand-off is cancelled in the worker too, and its staging
 buffers stay the worker's until it answers (:attr:`WorkerClient.released`). On
@@ -49,9 +49,9 @@ from typing import Any, Protocol
 
 from mithril_async.errors import WorkerExited
 from mithril_async.memory.ring import SlotLease
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.save.context import SaveContext
 from mithril_async.save.job import SaveJob
+from mithril_async.save.results import SaveResult
 from mithril_async.save.stream_snapshot import StreamSnapshot
 from mithril_async.tiers.commit import VersionMeta
 from mithril_async.worker.arena import SharedArena

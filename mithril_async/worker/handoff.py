@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mithril_async.codec.dtypes import DTYPES
 from mithril_async.config import Config
 from mithril_async.manifest import PieceMeta
-from mithril_async.pipeline.results import SaveResult
+from mithril_async.save.results import SaveResult
 from mithril_async.worker.shm import BufferAt
 from mithril_async.worker.typed_errors import error_doc, error_of
 

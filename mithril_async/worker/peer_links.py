@@ -18,7 +18,7 @@ import struct
 from typing import Any
 
 from mithril_async.errors import DistributedError
-from mithril_async.pipeline.coordinator import Coordinator
+from mithril_async.save.coordinator import Coordinator
 
 __all__ = ["HELLO_MAX", "MAX_FRAME", "Conn", "rendezvous"]
 

@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from mithril_async.errors import DistributedError
 from mithril_async.manifest import PieceLayout, gc_paused
-from mithril_async.pipeline.coordinator import (
+from mithril_async.save.coordinator import (
     Coordinator,
     Outcome,
     RankPart,

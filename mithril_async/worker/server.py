@@ -43,15 +43,15 @@ from mithril_async.config import Config
 from mithril_async.errors import TrainerExited
 from mithril_async.layout import RunLayout
 from mithril_async.memory.ring import SlotRing
-from mithril_async.pipeline.coordinator import Coordinator, LocalCoordinator
 from mithril_async.pipeline.loop import BackgroundLoop
 from mithril_async.pipeline.pool import CodecPool
-from mithril_async.pipeline.results import SaveResult
 from mithril_async.retention import from_config
 from mithril_async.run_store import open_run_store
 from mithril_async.save.buffers import BufferSet
 from mithril_async.save.context import SaveContext
+from mithril_async.save.coordinator import Coordinator, LocalCoordinator
 from mithril_async.save.job import SaveJob
+from mithril_async.save.results import SaveResult
 from mithril_async.save.snapshot import HandedOff
 from mithril_async.storage.base import Store
 from mithril_async.storage.local import LocalStore

@@ -37,7 +37,7 @@ from typing import IO, Any, cast
 
 from mithril_async import CheckpointManager, parse_config
 from mithril_async.claims import owner_identity
-from mithril_async.pipeline.results import SaveHandle
+from mithril_async.save.results import SaveHandle
 from mithril_async.storage.base import BlobWriter, Store
 from mithril_async.storage.local import LocalStore
 from mithril_async.storage.s3 import S3Store

@@ -18,8 +18,8 @@ import torch
 
 from mithril_async import CheckpointManager, TensorDict, parse_config
 from mithril_async.errors import DistributedError, SaveFailed
-from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.save import chunks
+from mithril_async.save.coordinator import LocalCoordinator
 from tests.faults._common import leftovers
 
 

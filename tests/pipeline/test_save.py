@@ -14,10 +14,10 @@ from mithril_async.catalog import RunCatalog
 from mithril_async.config import CheckpointingConfig
 from mithril_async.errors import KeyNotFound
 from mithril_async.layout import RunLayout
-from mithril_async.pipeline.coordinator import LocalCoordinator
 from mithril_async.pipeline.pool import CodecPool
 from mithril_async.restore.reader import VersionReader
 from mithril_async.save.context import SaveContext
+from mithril_async.save.coordinator import LocalCoordinator
 from mithril_async.save.job import SaveJob
 from mithril_async.save.writers import BlobEncoder
 from mithril_async.save.xor_chain import ChainPolicy

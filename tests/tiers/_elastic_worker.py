@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from mithril_async import CheckpointManager, parse_config
 from mithril_async.sharded import ShardedModel, ShardedOptimizer
 from mithril_async.storage import open_store
-from mithril_async.tiers.layer import Tiers
+from mithril_async.tiers.layer import TierLayer
 from tests.distributed._reshard_worker import full, local
 from tests.tiers._state import tier_config
 from tests.tiers._tier_worker import CountingStore
@@ -95,7 +95,7 @@ def _manager(a: dict[str, Any], net: Net, opt: torch.optim.Optimizer
     return mgr, remote
 
 
-def _tiers(mgr: CheckpointManager) -> Tiers:
+def _tiers(mgr: CheckpointManager) -> TierLayer:
     assert mgr.tiers is not None
     return mgr.tiers
 

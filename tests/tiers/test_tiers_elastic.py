@@ -1,4 +1,4 @@
-"""Tiers composed with elastic restore, in real processes over gloo; remote tier on moto.
+"""TierLayer composed with elastic restore, in real processes over gloo; remote tier on moto.
 
 A job of 4 ranks as 2 nodes (``LOCAL_WORLD_SIZE=2``) saves three versions of a sharded state
 (DTensor ``Shard(0)``); node 0 (A) is lost and the job comes back with 2 ranks:
@@ -103,7 +103,9 @@ def test_node_loss_then_smaller_job(tmp_path: Path, moto: MotoS3) -> None:
     assert _blobs_of(src0, 0) and _blobs_of(src0, 1)
     assert not _blobs_of(src0, 2) and not _blobs_of(src0, 3)
     assert {src0[k] for k in _blobs_of(src0, 0) | _blobs_of(src0, 1)} == {"rank 1 (replica)"}
-    assert src0[f"{V2}/rng_rank0002.json"] == "rank 1 (local)"
+    # the state maps no data-loader states, so the restore reads only this rank's RNG file,
+    # and the recovery fetches what the restore reads: no other rank's
+    assert {k for k in src0 if "/rng_rank" in k} == {f"{V2}/rng_rank0000.json"}
     # the new rank 1 holds rows saved by ranks 2 and 3 (and takes rank 0's blob for the
     # skeleton and the replicated bias): saved rank 1's blobs are not fetched at all
     assert not _blobs_of(src1, 1)

@@ -32,7 +32,7 @@ from mithril_async.storage import local as local_mod
 from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import fetch, restore
 from mithril_async.tiers.files import files_to_restore
-from mithril_async.tiers.layer import Tiers
+from mithril_async.tiers.layer import TierLayer
 from mithril_async.tiers.sources import OWN_FOLDER, REMOTE
 from tests.tiers._state import same, snapshot, tiered, tiny_state, train_step
 from tests.tiers._stores import CountingMemory, GatedRemote
@@ -40,7 +40,7 @@ from tests.tiers._stores import CountingMemory, GatedRemote
 RUN = Path("runs/r1/versions")
 
 
-def _tiers(mgr: CheckpointManager) -> Tiers:
+def _tiers(mgr: CheckpointManager) -> TierLayer:
     assert mgr.tiers is not None
     return mgr.tiers
 
@@ -62,7 +62,7 @@ def _saved_run(tmp_path: Path, steps: int = 2, keep_local: int = 2
 
 
 def _restore(table: dict[str, Any], remote: CountingMemory, seed: int = 5
-             ) -> tuple[Tiers, Any, dict[str, Any], int]:
+             ) -> tuple[TierLayer, Any, dict[str, Any], int]:
     state = tiny_state(seed)
     mgr = tiered(table, state, remote)
     remote.ops.clear()

@@ -23,7 +23,7 @@ from mithril_async.storage.memory import MemoryStore
 from mithril_async.tiers import NodeMap, TiersConfig
 from mithril_async.tiers.commit import VersionMeta
 from mithril_async.tiers.files import Need, files_to_restore, owned_files, owner_of
-from mithril_async.tiers.layer import Tiers
+from mithril_async.tiers.layer import TierLayer
 from mithril_async.tiers.replicate import replicate
 from mithril_async.tiers.sources import OWN_FOLDER, REMOTE
 from mithril_async.tiers.transport import Payload
@@ -196,7 +196,7 @@ def test_single_process_tiers_save_retention_and_fallthrough(tmp_path: Path) -> 
     mgr.close()
 
 
-def _tiers(mgr: CheckpointManager) -> Tiers:
+def _tiers(mgr: CheckpointManager) -> TierLayer:
     assert mgr.tiers is not None
     return mgr.tiers
 
@@ -262,7 +262,7 @@ def test_replication_to_a_dead_peer_names_rank_and_tier(tmp_path: Path) -> None:
     meta = asyncio.run(VersionMeta.read(_tiers(mgr).store, key))
     layout = mgr.layout
     mgr.close()
-    two = Tiers(tier_config({"local": str(tmp_path / "n{node}"), "replicas": 1},
+    two = TierLayer(tier_config({"local": str(tmp_path / "n{node}"), "replicas": 1},
                             _config(tmp_path)), link=_DeadPeerLink(), node_map=NodeMap((0, 1)))
     two.ctx.layout = layout
     assert two.ctx.holders(0) == [1]

@@ -14,7 +14,7 @@ import pytest
 
 from mithril_async.errors import DistributedError
 from mithril_async.manifest import BlobRef
-from mithril_async.pipeline.coordinator import Outcome, RankPart
+from mithril_async.save.coordinator import Outcome, RankPart
 from mithril_async.worker.peer_links import HELLO_MAX
 from mithril_async.worker.peers import PeerCoordinator
 
