@@ -70,6 +70,14 @@ class Binding:
         return opt if isinstance(opt, torch.optim.Optimizer) else None
 
     @property
+    def module(self) -> torch.nn.Module | None:
+        """The module the item is or wraps in a ``.model`` attribute (a sharded model);
+        None: none."""
+        obj = self.obj
+        mod = obj if isinstance(obj, torch.nn.Module) else getattr(obj, "model", None)
+        return mod if isinstance(mod, torch.nn.Module) else None
+
+    @property
     def stateful(self) -> bool:
         """Saved as a state dict (every kind but ``json``)."""
         return self.kind != "json"

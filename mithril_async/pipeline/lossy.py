@@ -30,6 +30,7 @@ import xxhash
 from mithril_async.codec.dtypes import as_torch
 from mithril_async.config import LossyConfig
 from mithril_async.errors import ChecksumMismatch, InvalidFormat, KeyNotFound, MissingPrevious
+from mithril_async.live import LiveState
 from mithril_async.lossy.excp import (
     LossyCheckpoint,
     LossyDeltaConfig,
@@ -71,26 +72,29 @@ def delta_config(cfg: LossyConfig) -> LossyDeltaConfig:
 def lossy_roles(state: Mapping[str, Any]) -> Roles:
     """Roles of the model's parameters and their Adam moments, by ``"<item>/<tensor>"`` name.
 
-    Only ``state["model"]`` (anything with ``named_parameters``, or a
-    :class:`~mithril_async.sharded.ShardedModel` around one) and ``state["optimizer"]``
-    (anything with ``param_groups``, or a ``ShardedOptimizer``, whose state is keyed by
-    parameter name) get roles; other items are never lossy."""
-    model, opt = state.get("model"), state.get("optimizer")
-    named = getattr(getattr(model, "model", model), "named_parameters", None)
-    if named is None:
+    Only ``state["model"]`` (a module, or an item wrapping one: a
+    :class:`~mithril_async.sharded.ShardedModel`) and ``state["optimizer"]`` (an optimizer
+    or an item wrapping one; a ``ShardedOptimizer``'s state is keyed by parameter name) get
+    roles (:class:`~mithril_async.live.Binding`); other items are never lossy."""
+    live = state if isinstance(state, LiveState) else LiveState(state)
+    model, opt = live.bindings.get("model"), live.bindings.get("optimizer")
+    module = None if model is None else model.module
+    if module is None:
         return {}
-    names = {id(p): n for n, p in named()}
+    names = {id(p): n for n, p in module.named_parameters()}
     roles: Roles = {f"model/{n}": (n, "param") for n in names.values()}
-    if opt is not None and hasattr(opt, "optimizer") and hasattr(opt, "model"):
-        for n in names.values():  # ShardedOptimizer: get_optimizer_state_dict keys by FQN
+    if opt is None:
+        return roles
+    if opt.kind == "sharded":  # ShardedOptimizer: get_optimizer_state_dict keys by FQN
+        for n in names.values():
             roles[f"optimizer/state/{n}/exp_avg"] = (n, "exp_avg")
             roles[f"optimizer/state/{n}/exp_avg_sq"] = (n, "exp_avg_sq")
         return roles
-    groups = getattr(opt, "param_groups", None)
-    if groups is None:
+    optimizer = opt.optimizer
+    if optimizer is None:
         return roles
     index = 0
-    for group in groups:
+    for group in optimizer.param_groups:
         for p in group["params"]:
             pname = names.get(id(p))
             if pname is not None:
