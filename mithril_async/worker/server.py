@@ -248,6 +248,7 @@ class WorkerServer:
         """A save's answer: its result, and what the trainer's own view of the run follows
         (each item's base buffer set, the committed steps after commit and retention)."""
         assert self.ctx is not None
+        self.ctx.history.clear()  # the trainer records each result, from this answer
         out: dict[str, Any] = {"result": result_doc(res), "chains": self._chains(),
                                "steps": sorted(self.ctx.steps or ())}
         if self.node is not None and self.node.committed is not None:
