@@ -31,10 +31,7 @@ from mithril_async.catalog.start_up import maintain_run
 from mithril_async.config import CheckpointingConfig, Config, load_config, with_absolute_paths
 from mithril_async.current_run import agree_run_id
 from mithril_async.distributed import DistCoordinator, dist_world
-from mithril_async.errors import (
-    ConfigError,
-    SaveFailed,
-)
+from mithril_async.errors import ConfigError, SaveFailed
 from mithril_async.layout import RunLayout
 from mithril_async.lifetime import Owned
 from mithril_async.listeners import Listener, ResultListeners
@@ -55,13 +52,8 @@ from mithril_async.save.context import SaveContext
 from mithril_async.save.coordinator import Coordinator, LocalCoordinator
 from mithril_async.save.results import SaveHandle, SaveResult
 from mithril_async.save.sequence import SaveSequence
-from mithril_async.save.waiting import (
-    run_awaiting,
-    run_blocking,
-)
-from mithril_async.state import (
-    default_on_reshard,
-)
+from mithril_async.save.waiting import run_awaiting, run_blocking
+from mithril_async.state import default_on_reshard
 from mithril_async.storage.base import Store
 from mithril_async.tiers.layer import TierLayer
 from mithril_async.worker.placement import refuse_unserved, worker_for

@@ -29,11 +29,7 @@ from mithril_async.layout import RunLayout
 from mithril_async.live import LiveState
 from mithril_async.restore.reader import DecodedVersion, VersionReader
 from mithril_async.restore.targets import loaded_in_place
-from mithril_async.state import (
-    default_on_reshard,
-    reseed_rng,
-    restore_rng,
-)
+from mithril_async.state import default_on_reshard, reseed_rng, restore_rng
 
 log = logging.getLogger("mithril_async")
 

@@ -312,7 +312,7 @@ async def _open_source(ctx: ExecuteResources, p: PiecesRead, src: PieceSource, s
         found = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                  for n, t in tensors.items()}
         opened = _OpenedBlob(src, skeleton,
-                         tensors={n: t.contiguous() for n, t in tensors.items()})
+                             tensors={n: t.contiguous() for n, t in tensors.items()})
     for name in src.runs:
         saved = ref.piece(name)
         want = (str(p.targets[name].dtype).removeprefix("torch."),

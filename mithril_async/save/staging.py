@@ -188,7 +188,7 @@ class StagingArea(BufferSet):
         later = self._copy_from_cuda(plan.cuda_later) if plan.cuda_later else None
         nbytes = sum(b.numel() * b.element_size() for b in out.values())
         return HostCopies(out, event, nbytes, time.perf_counter() - t0, reused, plan.devices,
-                        plan.deferred, plan.watch, later, plan.later_watch)
+                          plan.deferred, plan.watch, later, plan.later_watch)
 
     @staticmethod
     def _plan_copy(plan: _Plan, name: str, buf: torch.Tensor, src: torch.Tensor,

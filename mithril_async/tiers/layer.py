@@ -371,7 +371,6 @@ def _attempt(attempt: Callable[[str], T], vid: str) -> tuple[T | None, BaseExcep
         return None, err
 
 
-
 def __getattr__(name: str) -> Any:
     if name == "Tiers":  # the class's earlier name, for a release
         import warnings

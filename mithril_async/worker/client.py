@@ -481,7 +481,7 @@ class WorkerClient:
 
 class NodeTiers(Protocol):
     """What a worker's saves need of the trainer's tier layer
-    (:class:`~mithril_async.tiers.layer.Tiers`): the node folder the worker writes into,
+    (:class:`~mithril_async.tiers.layer.TierLayer`): the node folder the worker writes into,
     whether this rank keeps its books, the floor its claims go above; and, once the worker
     committed a version there, the replication and upload that follow it on the trainers'
     tier group."""

@@ -221,7 +221,8 @@ def test_pieces_are_read_by_the_chunks_a_rank_needs() -> None:
         async def no_bases(base: object, names: object) -> dict[str, torch.Tensor]:
             raise AssertionError("these blobs are no deltas")
 
-        ctx = ExecuteResources(store, pool, FreshDecoder(pool), no_bases, 1 << 24)  # type: ignore[arg-type]
+        ctx = ExecuteResources(store, pool, FreshDecoder(pool),
+                               no_bases, 1 << 24)  # type: ignore[arg-type]
         opened = await open_item(ctx, pieces_read("model", refs, {"w": target}), "v000001", 1,
                                  "block", 1 << 24)
         assert local.abs().sum() == 0  # nothing written before write_item
