@@ -47,8 +47,7 @@ from mithril_async.errors import (
 )
 from mithril_async.manifest import PieceMeta, ShardRef, VersionManifest, version_number
 from mithril_async.pipeline.blobs import REFS_KEY, TensorRef, skeleton_of
-from mithril_async.restore.execute import ExecuteResources, Progress, open_item, write_item
-from mithril_async.restore.fresh import BaseLoader
+from mithril_async.restore.execute import Progress, open_item, write_item
 from mithril_async.restore.plan import per_rank_items, pieces_read
 from mithril_async.restore.reader import VersionReader
 from mithril_async.restore.reshard import Box
@@ -150,10 +149,9 @@ class ItemTensors:
                                          Box.of([0] * len(s.shape), s.shape), s.shape, s.dtype)
                    for s in group}
         plan = pieces_read(self.item, self.refs, targets)
-        r, m = self.reader, self.manifest
+        m = self.manifest
         # a loader per group: the delta bases it decodes are dropped with the group
-        ctx = ExecuteResources(r.catalog.store, r.pool, r.decoder,
-                      BaseLoader(r.catalog, r.decoder, m.version_id), r.inflight)
+        ctx = self.reader.resources(m.version_id)
         opened = await open_item(ctx, plan, m.version_id, m.step, "block", ctx.inflight)
         await write_item(ctx, opened, Progress(), ctx.inflight)
         return out

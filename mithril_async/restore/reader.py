@@ -236,13 +236,19 @@ class VersionReader:
         raise VersionNotFound(f"no version at or before {bad_vid} verifies; "
                               f"first error: {first_err}") from first_err
 
+    def resources(self, version_id: str) -> ExecuteResources:
+        """What the executor works with to write version ``version_id`` into live tensors:
+        this reader's store, pool, decoder and in-flight budget, and a loader of its delta
+        bases of its own (the bases it decodes are dropped with it)."""
+        return ExecuteResources(self.catalog.store, self.pool, self.decoder,
+                                BaseLoader(self.catalog, self.decoder, version_id),
+                                self.inflight)
+
     async def _decode(self, key: str, progress: Progress, **kw: Any) -> DecodedVersion:
         m = await self.catalog.read_manifest(key)
         plan = self.plan(m, **kw)
-        ctx = ExecuteResources(self.catalog.store, self.pool, self.decoder,
-                               BaseLoader(self.catalog, self.decoder, m.version_id),
-                               self.inflight)
-        return await execute(plan, ctx, progress, self.read_rng, self._read_lossy)
+        return await execute(plan, self.resources(m.version_id), progress, self.read_rng,
+                             self._read_lossy)
 
     async def read_rng(self, m: VersionManifest, rank: int) -> dict[str, Any]:
         """The rank's RNG/state document of ``m``, checked against the manifest."""
