@@ -147,6 +147,22 @@ class GroupBacked(Protocol):
     def timeout_s(self) -> float: ...
 
 
+@runtime_checkable
+class Wrapping(Protocol):
+    """A layer's coordinator around another one (the tier commit's,
+    :class:`~mithril_async.tiers.commit.TierCoordinator`), whose collectives it runs on."""
+
+    inner: Coordinator
+
+
+def innermost(coordinator: Coordinator) -> Coordinator:
+    """The coordinator whose collectives ``coordinator`` runs on: itself, or the one the
+    layers wrapped around it keep as ``inner``."""
+    while isinstance(coordinator, Wrapping):
+        coordinator = coordinator.inner
+    return coordinator
+
+
 class LocalCoordinator:
     """One process, one rank: every step is local."""
 

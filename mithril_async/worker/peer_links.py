@@ -18,7 +18,7 @@ import struct
 from typing import Any
 
 from mithril_async.errors import DistributedError
-from mithril_async.save.coordinator import Coordinator
+from mithril_async.save.coordinator import Coordinator, innermost
 
 __all__ = ["HELLO_MAX", "MAX_FRAME", "Conn", "rendezvous"]
 
@@ -65,7 +65,7 @@ def rendezvous(coordinator: Coordinator) -> tuple[dict[str, Any], socket.socket 
     listening socket, to hand to each worker it starts and close when it is done."""
     from mithril_async.distributed import DistCoordinator
 
-    coordinator = getattr(coordinator, "inner", coordinator)  # a layer's wrapper (the tiers)
+    coordinator = innermost(coordinator)  # under a layer's wrapper (the tier commit)
     if not isinstance(coordinator, DistCoordinator):
         raise DistributedError("checkpoint workers of several ranks need the manager's own "
                                f"torch.distributed coordinator, not {type(coordinator).__name__}")

@@ -49,6 +49,7 @@ from mithril_async.save.coordinator import (
     Outcome,
     RankPart,
     compact_part,
+    innermost,
     layout_senders,
     with_layouts,
 )
@@ -270,7 +271,7 @@ def save_scope(coordinator: Coordinator, step: int) -> AbstractAsyncContextManag
     """What a worker runs one save in: :meth:`PeerCoordinator.save` for a group of workers
     (also when a layer wraps it, keeping it as ``inner``: the tier commit), nothing for any
     other coordinator."""
-    inner = getattr(coordinator, "inner", coordinator)
+    inner = innermost(coordinator)
     if isinstance(inner, PeerCoordinator):
         return inner.save(step)
     return contextlib.nullcontext()
