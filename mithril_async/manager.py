@@ -159,10 +159,10 @@ class CheckpointManager:
                                   sharded_model=sharded_model, keep_all=keep_all,
                                   tiers=self.tiers)
         self.process = "inline" if self._worker is None else "worker"  #: where saves run
+        self.sharded_model = sharded_model  #: each rank saves its own model shard
         #: the saves, one at a time, from the caller's thread to their handles
         self.saves = SaveSequence(self._ctx, self.state, self._results, self._worker,
-                                  lambda: self.loop,
-                                  run_id=self.run_id, continued_run=self.continued_run)
+                                  lambda: self.loop, continued_run=self.continued_run)
         #: restores into the live state (read through the one reader, then applied)
         self.restorer = LiveRestore(
             self.state, cfg, VersionReader(self.catalog, pool=self._pool,

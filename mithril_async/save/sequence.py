@@ -44,13 +44,13 @@ class SaveSequence:
 
     def __init__(self, ctx: SaveContext, live: LiveState, results: ResultListeners,
                  worker: WorkerClient | None, loop: Callable[[], BackgroundLoop], *,
-                 run_id: str, continued_run: bool) -> None:
+                 continued_run: bool) -> None:
         self.ctx = ctx
         self.live = live
         self.results = results
         self.worker = worker
         self._loop = loop
-        self.run_id, self.continued_run = run_id, continued_run
+        self.continued_run = continued_run
         #: save_on_signals: told of each save (set by the manager once it has one)
         self.preemption: Preemption | None = None
         #: the last save's handle (its future: the save in flight), until its outcome has
@@ -149,8 +149,8 @@ class SaveSequence:
             why = (" (run_id is not set, so this job continues the runs folder's current run: "
                    "restore it to resume, or set new_run = true to start a new run)"
                    if self.continued_run else "")
-            raise StepAlreadyExists(f"run {self.run_id}: step {step} is already committed; "
-                                    f"nothing is overwritten{why}")
+            raise StepAlreadyExists(f"run {self.ctx.layout.run_id}: step {step} is already "
+                                    f"committed; nothing is overwritten{why}")
         if self.preemption is not None:
             self.preemption.saving(step)
 

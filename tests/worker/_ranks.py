@@ -45,7 +45,7 @@ def run_rank(tmp: str, rank: int, world: int, port: int) -> None:
     model = make_model()
     seen: dict[str, object] = {}
     with CheckpointManager(cfg, {"model": model}, sharded_model=True) as mgr:
-        assert mgr.process == "worker"
+        assert mgr.process == "worker" and mgr.sharded_model
         _set(model, 1, rank)
         assert mgr.save_nowait(1).result().status == "committed"
         first = mgr.worker_pid
