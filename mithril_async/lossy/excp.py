@@ -56,7 +56,7 @@ import torch
 import zstandard
 
 from mithril_async.errors import InvalidFormat, MissingPrevious
-from mithril_async.lossy.lossless import decode_lossless, encode_lossless
+from mithril_async.lossy.lossless import decode_lossless, encode_lossless, inflate_exact
 from mithril_async.lossy.quant import ErrorBound, QuantizedTensor, dequantize, quantize
 
 Role = Literal["param", "exp_avg", "exp_avg_sq"]
@@ -175,13 +175,7 @@ def _pack_mask(idx: torch.Tensor, n: int, level: int) -> bytes:
 
 
 def _unpack_mask(kept: int, blob: bytes, n: int) -> torch.Tensor:
-    size = (n + 7) // 8
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(size, 1))
-    except zstandard.ZstdError as exc:
-        raise InvalidFormat(f"lossy delta mask is corrupt: {exc}") from exc
-    if len(raw) != size:
-        raise InvalidFormat(f"lossy delta mask inflates to {len(raw)} bytes, not {size}")
+    raw = inflate_exact(blob, (n + 7) // 8, "lossy delta mask")
     idx = np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8))[:n])
     if idx.size != kept:
         raise InvalidFormat(f"lossy delta mask selects {idx.size} entries, header says {kept}")

@@ -22,6 +22,7 @@ import torch
 import zstandard
 
 from mithril_async.errors import ErrorBoundExceeded, InvalidFormat, UnsupportedDtype
+from mithril_async.lossy.lossless import inflate_exact
 from mithril_async.lossy.quant import ErrorBound
 
 _MAX_ABS_INT = float(2**62)
@@ -129,11 +130,6 @@ def fixed_point_decode(fp: FixedPointTensor) -> torch.Tensor:
     if fp.int_width not in (4, 8):
         raise InvalidFormat(f"fixed-point int width {fp.int_width} is not 4 or 8")
     expected = count * fp.int_width
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(fp.payload, max_output_size=expected)
-    except zstandard.ZstdError as exc:
-        raise InvalidFormat(f"fixed-point payload is corrupt: {exc}") from exc
-    if len(raw) != expected:
-        raise InvalidFormat(f"fixed-point payload inflates to {len(raw)} bytes, not {expected}")
+    raw = inflate_exact(fp.payload, expected, "fixed-point payload")
     values = _ungroup(raw, fp.int_width, count).astype(np.float64) / 2.0**fp.frac_bits
     return torch.from_numpy(values).to(fp.dtype).reshape(fp.shape)

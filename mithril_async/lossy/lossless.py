@@ -19,7 +19,20 @@ import zstandard
 
 from mithril_async.errors import InvalidFormat
 
-__all__ = ["decode_lossless", "encode_lossless", "lossless_backend", "lossless_state_size"]
+__all__ = ["decode_lossless", "encode_lossless", "inflate_exact", "lossless_backend",
+           "lossless_state_size"]
+
+
+def inflate_exact(blob: bytes, size: int, what: str) -> bytes:
+    """``blob`` zstd-inflated to exactly ``size`` bytes, never more held in memory: corrupt
+    data, or any other size, is an :class:`InvalidFormat` naming ``what``."""
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(size, 1))
+    except zstandard.ZstdError as exc:
+        raise InvalidFormat(f"{what} is corrupt: {exc}") from exc
+    if len(raw) != size:
+        raise InvalidFormat(f"{what} inflates to {len(raw)} bytes, not {size}")
+    return raw
 
 
 def encode_lossless(tensor: torch.Tensor, level: int = 3) -> bytes:
@@ -35,12 +48,7 @@ def decode_lossless(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> 
     """Inverse of :func:`encode_lossless`; the inflated size must match shape and dtype."""
     width = torch.empty(0, dtype=dtype).element_size()
     expected = math.prod(shape) * width
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(expected, 1))
-    except zstandard.ZstdError as exc:
-        raise InvalidFormat(f"lossless tensor payload is corrupt: {exc}") from exc
-    if len(raw) != expected:
-        raise InvalidFormat(f"lossless payload inflates to {len(raw)} bytes, not {expected}")
+    raw = inflate_exact(blob, expected, "lossless tensor payload")
     planes = np.frombuffer(raw, dtype=np.uint8)
     if width > 1:
         planes = planes.reshape(width, -1).T

@@ -119,3 +119,24 @@ def test_fixed_point_compresses_and_raises() -> None:
         fixed_point_encode(x, frac_bits=4, bound=ErrorBound(max_abs=1e-4, on_violation="raise"))
     with pytest.raises(ErrorBoundExceeded):
         fixed_point_encode(torch.tensor([1e30]), bound=ErrorBound(max_abs=1e-12))
+
+
+def test_a_fixed_point_payload_inflates_to_exactly_its_declared_size() -> None:
+    """Corrupt bytes, a payload of another size, and a zero-element tensor with a payload:
+    each an InvalidFormat naming the payload."""
+    import dataclasses
+
+    import zstandard
+
+    from mithril_async.errors import InvalidFormat
+
+    fp = fixed_point_encode(torch.linspace(-1, 1, 64), frac_bits=8)
+    with pytest.raises(InvalidFormat, match="fixed-point payload is corrupt"):
+        fixed_point_decode(dataclasses.replace(fp, payload=b"not zstd"))
+    longer = zstandard.ZstdCompressor().compress(bytes(64 * fp.int_width + 1))
+    with pytest.raises(InvalidFormat, match="fixed-point payload"):
+        fixed_point_decode(dataclasses.replace(fp, payload=longer))
+    empty = dataclasses.replace(fp, shape=(0,), payload=zstandard.ZstdCompressor(
+        write_content_size=False).compress(bytes(1 << 20)))
+    with pytest.raises(InvalidFormat, match="fixed-point payload"):
+        fixed_point_decode(empty)
