@@ -17,7 +17,7 @@ one run: the record is created with ``put_if_absent`` and the loser takes the wi
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +26,7 @@ from mithril_async.errors import DistributedError, InvalidFormat, KeyExists, Key
 from mithril_async.layout import new_run_id
 from mithril_async.manifest import SCHEMA_VERSION, parse_model, utcnow
 from mithril_async.pipeline.loop import BackgroundLoop
+from mithril_async.save.coordinator import Coordinator
 from mithril_async.storage.base import Store, join_key
 
 __all__ = ["CURRENT_RUN_FILE", "CurrentRun", "agree_run_id", "current_run_key", "resolve_run_id"]
@@ -103,8 +104,8 @@ class Group(Protocol):
     def broadcast_from_zero(self, value: T, what: str = "broadcast") -> T: ...
 
 
-def agree_run_id(cfg: CheckpointingConfig, store: Store, runs_prefix: str, coordinator: Any
-                 ) -> tuple[str, bool]:
+def agree_run_id(cfg: CheckpointingConfig, store: Store, runs_prefix: str,
+                 coordinator: Coordinator) -> tuple[str, bool]:
     """The run a manager saves into, and whether it continues the runs folder's current run:
     ``run_id``, or rank 0's reading of the current run (a new one where there is none, or
     with ``new_run``) agreed by every rank on ``coordinator``'s group. A failure to read it
@@ -112,7 +113,7 @@ def agree_run_id(cfg: CheckpointingConfig, store: Store, runs_prefix: str, coord
     if cfg.run_id is not None:
         return cfg.run_id, False
     group = coordinator if isinstance(coordinator, Group) else None
-    rank = int(getattr(coordinator, "rank", 0))
+    rank = coordinator.rank
     if rank != 0 and group is None:
         return new_run_id(), False  # a simulated group without a channel: ids per rank
     found: str | None = None
