@@ -151,7 +151,8 @@ class LocalStore:
         return StorageError(code, f"{op} {key!r} failed: {exc.strerror or exc}", path)
 
     async def _run(
-        self, op: str, key: str, fn: Callable[[str], T], *, reading: bool, path: str | None = None
+        self, op: str, key: str, fn: Callable[[str], T], *, reading: bool, path: str | None = None,
+        discard: Callable[[T], None] | None = None,
     ) -> T:
         p = self._path(key) if path is None else path
 
@@ -162,14 +163,15 @@ class LocalStore:
 
         # A cancelled caller waits for the worker thread: the thread cannot be stopped, so
         # the operation's effect (a claim linked, a file renamed) is settled before the
-        # CancelledError propagates and the caller's cleanup can see and undo it.
+        # CancelledError propagates and the caller's cleanup can see and undo it. What the
+        # caller can never see, a result it would have owned (an open file), is ``discard``ed.
         task = asyncio.ensure_future(asyncio.to_thread(confined))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # retrieved: the cancel is what the caller sees
+            if not task.cancelled() and task.exception() is None and discard is not None:
+                discard(task.result())
             raise
         except OSError as exc:
             if isinstance(exc, StorageError):
@@ -270,7 +272,7 @@ class LocalStore:
             return None
         path = self._path(key)
         fd = await self._run("get_range", key, lambda p: local_reads.open_file(os, p),
-                             reading=True)
+                             reading=True, discard=os.close)
         return LocalRangeReader(self, key, path, fd)
 
     async def size(self, key: str) -> int:

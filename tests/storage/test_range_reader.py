@@ -132,3 +132,43 @@ def test_close_waits_for_a_running_read(tmp_path: Path, monkeypatch: pytest.Monk
     assert reader._fd == -1  # the read that ended last closed it
     with pytest.raises(StorageError, match="reader closed"):
         reader.read(0, 4)
+
+
+def test_a_cancelled_open_leaves_no_file_open(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller cancelled while its worker thread opens the file (a failed restore cancels
+    the other blobs' tasks) never gets the reader: the descriptor is closed, not left open
+    for the rest of the process."""
+    store = _store(tmp_path)
+    opened, release = threading.Event(), threading.Event()
+    real = local_reads.open_file
+    fds: list[int] = []
+
+    def gated(fs: ModuleType, path: str) -> int:
+        fd = real(fs, path)
+        fds.append(fd)
+        opened.set()
+        assert release.wait(30)
+        return fd
+
+    monkeypatch.setattr(local_reads, "open_file", gated)
+
+    async def body() -> None:
+        task = asyncio.ensure_future(store.open_range_reader("v/blob"))
+        assert await asyncio.to_thread(opened.wait, 30)
+        task.cancel()
+        await asyncio.sleep(0)  # the cancel reaches the open, which waits for its thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(body())
+    assert len(fds) == 1
+    blob = str(tmp_path / "root" / "v" / "blob")
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            continue
+    assert blob not in held
